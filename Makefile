@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`. Each installs
+# what it needs first (scripts/setup_env.sh is idempotent and fast when
+# nothing changed).
+PY := .venv/bin/python
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: env demo test bench fixtures
+
+env:
+	@scripts/setup_env.sh main
+
+demo: env
+	$(PY) examples/demo.py
+
+test: env
+	$(PY) -m pytest tests
+
+bench: env
+	$(PY) benchmarks/bench_quantizer.py
+
+# Regenerates the committed model fixtures: trains the tiny models in the main
+# venv, then quantizes them with the real llmcompressor in its own venv.
+fixtures: env
+	@scripts/setup_env.sh llmc
+	$(PY) fixtures/make_models.py
+	.venv-llmc/bin/python fixtures/quantize_with_llmcompressor.py
