@@ -1,0 +1,100 @@
+"""FP8_BLOCK weight quantization, bit-identical to compressed-tensors.
+
+The format vLLM loads for an FP8_BLOCK compressed-tensors checkpoint is
+`weight` (float8_e4m3fn, `[out, in]`) plus `weight_scale` (the weight's own
+dtype, `[ceil(out/bh), ceil(in/bw)]`). The math, which must be copied exactly
+or ~3% of FP8 codes differ (see FACTS.md), is compressed-tensors':
+
+1. per block (zero-padded at the edges): `scale = amax(|w|) / 448`, computed
+   in the weight's dtype, an exact-zero scale replaced by that dtype's eps;
+2. `q = clamp(w / scale + 0, -448, 448).to(float8_e4m3fn)`, the division in
+   the weight's dtype, so a bf16 quotient is rounded to bf16 before it is
+   rounded to FP8. The `+ 0` is compressed-tensors adding its zero point:
+   it turns -0.0 into +0.0, so a -0 weight is coded 0x00, not 0x80.
+
+Two implementations share that contract. `_quantize_with_torch` is the
+plain tensor-op version (any device, any float dtype). The CPU bf16 path,
+the one every refit on a CPU trainer takes, goes through a fused kernel
+(`_fused_cpu`) that reads each block once from memory instead of once per
+torch op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refit.errors import InvalidTensorError
+
+__all__ = ["FP8_E4M3_MAX", "SUPPORTED_DTYPES", "quantize_fp8_block", "dequantize_fp8_block"]
+
+FP8_E4M3_MAX = 448.0
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_fp8_block(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), *, name: str = "<unnamed>"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight to FP8_BLOCK; returns `(weight_fp8, weight_scale)`.
+
+    Runs on the tensor's own device. Raises `InvalidTensorError`, naming
+    `name`, for a tensor that is not 2-D, not bf16/fp16/fp32, or holds NaN or
+    Inf; nothing is returned for such a tensor, so nothing half-made can be
+    sent on.
+    """
+    _check_quantizable(weight, block, name)
+    from refit.quantizer import _fused_cpu
+
+    if _fused_cpu.handles(weight, block):
+        q, scale = _fused_cpu.quantize(weight, block)
+    else:
+        q, scale = _quantize_with_torch(weight, block)
+    if not bool(torch.isfinite(scale).all()):
+        # amax is NaN/Inf exactly when the block holds NaN/Inf: checking the
+        # few scales costs nothing, a separate pass over the weight would not.
+        rows, cols = torch.nonzero(~torch.isfinite(scale))[0].tolist()
+        raise InvalidTensorError(
+            f"{name}: block ({rows}, {cols}) of {tuple(weight.shape)} holds NaN or Inf; "
+            "refusing to quantize it. Check the trainer step that produced this weight."
+        )
+    return q, scale
+
+
+def dequantize_fp8_block(
+    weight_fp8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Expand FP8_BLOCK codes back to `dtype` (the reference the kernels are tested with)."""
+    rows, cols = weight_fp8.shape
+    expanded = scale.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return (weight_fp8.to(torch.float32) * expanded[:rows, :cols]).to(dtype)
+
+
+def _check_quantizable(weight: torch.Tensor, block: tuple[int, int], name: str) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise InvalidTensorError(f"{name}: expected a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise InvalidTensorError(
+            f"{name}: FP8_BLOCK quantizes 2-D [out, in] weights, got shape {tuple(weight.shape)}; "
+            "if this tensor should pass through unquantized, add its module to the config's `ignore`."
+        )
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise InvalidTensorError(
+            f"{name}: dtype {weight.dtype} cannot be quantized; expected one of "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    if len(block) != 2 or min(block) <= 0:
+        raise InvalidTensorError(f"{name}: block structure {block!r} must be two positive ints")
+
+
+def _quantize_with_torch(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' arithmetic, op for op, as a handful of torch ops."""
+    rows, cols = weight.shape
+    bh, bw = block
+    nbr, nbc = -(-rows // bh), -(-cols // bw)
+    padded = torch.nn.functional.pad(weight, (0, nbc * bw - cols, 0, nbr * bh - rows))
+    blocks = padded.reshape(nbr, bh, nbc, bw).transpose(1, 2)
+    scale = blocks.abs().amax(dim=(2, 3)) / FP8_E4M3_MAX
+    scale = torch.where(scale == 0, torch.finfo(weight.dtype).eps, scale)
+    scaled = (blocks / scale[:, :, None, None] + 0.0).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = scaled.to(torch.float8_e4m3fn).transpose(1, 2).reshape(nbr * bh, nbc * bw)
+    return q[:rows, :cols].contiguous(), scale
