@@ -1,0 +1,196 @@
+"""A running vLLM engine that refit can update in place.
+
+`RolloutEngine` owns one `vllm.LLM` started with refit's weight-transfer
+backend and drives the update lifecycle through `collective_rpc`, which
+reaches the model both in-process and in separate worker processes
+(tensor parallel > 1): `begin_update` -> `load` per bucket ->
+`finish_update` (reload finalized, then the post-refit KV-scale stage).
+It holds no Ray state; `actors.RolloutActor` wraps it for Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refit.engine.transfer_engine import BACKEND, engine_of
+from refit.errors import LifecycleError
+from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, ScaleRecord, apply_kv_scale_policy
+
+__all__ = ["EngineConfig", "EngineDescription", "Generation", "RolloutEngine"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How to start the vLLM engine; `extra` passes any other `vllm.LLM` keyword."""
+
+    model: str
+    load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
+    dtype: str = "bfloat16"
+    max_model_len: int = 256
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        reserved = {"weight_transfer_config", "skip_tokenizer_init"} & set(self.extra)
+        if reserved:
+            raise ValueError(f"EngineConfig.extra may not set {sorted(reserved)}: refit sets them")
+        return {
+            "model": self.model,
+            "load_format": self.load_format,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "seed": self.seed,
+            # Rollouts exchange token ids with the trainer; no tokenizer needed.
+            "skip_tokenizer_init": True,
+            "weight_transfer_config": {"backend": BACKEND},
+            **self.extra,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDescription:
+    """What a sync plan needs to know about the rollout model."""
+
+    quantization_config: dict[str, Any] | None
+    tie_word_embeddings: bool
+    parameter_names: frozenset[str]  # vLLM's own names, for diagnostics
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Greedy (or sampled) continuations with their log-probabilities."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]  # of each generated token
+    prompt_logprobs: list[list[float | None]] | None
+
+
+class RolloutEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from vllm import LLM
+
+        self.config = config
+        self.llm = LLM(**config.llm_kwargs())
+        self._updating = False
+
+    def describe(self) -> EngineDescription:
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        quant = getattr(hf_config, "quantization_config", None)
+        names = self.llm.collective_rpc(_parameter_names)[0]
+        return EngineDescription(
+            quantization_config=dict(quant) if quant else None,
+            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+            parameter_names=frozenset(names),
+        )
+
+    @property
+    def updating(self) -> bool:
+        return self._updating
+
+    def begin_update(self) -> None:
+        """Must be called before `load`; puts every layer in loadable form."""
+        if self._updating:
+            raise LifecycleError("begin_update: an update is already in progress")
+        self.llm.collective_rpc("start_weight_update")
+        self._updating = True
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load one bucket of checkpoint-format tensors. Must follow `begin_update`."""
+        if not self._updating:
+            raise LifecycleError("load: call begin_update first")
+        self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors)},))
+
+    def finish_update(
+        self, kv_scales: KvScalePolicy, calibration_prompts: Sequence[Sequence[int]] = ()
+    ) -> list[str]:
+        """Finalize the reload, run the post-refit stage, drop stale prefix-cache entries.
+
+        Returns the attention scales the stage wrote ("module.scale").
+        """
+        if not self._updating:
+            raise LifecycleError("finish_update: call begin_update first")
+        self.llm.collective_rpc("finish_weight_update")
+        self._updating = False
+        measured = None
+        if kv_scales is KvScalePolicy.RECOMPUTE:
+            if not calibration_prompts:
+                raise ValueError("kv_scales='recompute' needs calibration_prompts")
+            self.llm.collective_rpc(_start_amax)
+            self.generate(calibration_prompts, max_tokens=1)
+            measured = self.llm.collective_rpc(_stop_amax)[0]
+        written = self.llm.collective_rpc(_apply_kv_policy, args=(kv_scales, measured))[0]
+        # Cached prefixes hold K/V computed by the old weights.
+        self.llm.reset_prefix_cache()
+        return written
+
+    def served_version(self) -> int | None:
+        return self.llm.collective_rpc(_served_version)[0]
+
+    def scale_records(self) -> list[ScaleRecord]:
+        return self.llm.collective_rpc(_scale_records)[0]
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, prompt_logprobs: bool = False,
+        temperature: float = 0.0,
+    ) -> Generation:
+        if self._updating:
+            raise LifecycleError("generate: an update is in progress; the model is half-loaded")
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, logprobs=0,
+            prompt_logprobs=0 if prompt_logprobs else None, detokenize=False,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        token_ids, logprobs, prompt_lps = [], [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            token_ids.append(list(completion.token_ids))
+            logprobs.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
+            if prompt_logprobs:
+                prompt_lps.append([
+                    None if step is None else step[tok].logprob
+                    for step, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
+                ])
+        return Generation(token_ids, logprobs, prompt_lps if prompt_logprobs else None)
+
+
+# Worker-side calls, sent by `collective_rpc` (by reference: module-level
+# functions of an importable module pickle by name).
+def _parameter_names(worker: Any) -> list[str]:
+    return [name for name, _ in worker.model_runner.get_model().named_parameters()]
+
+
+def _served_version(worker: Any) -> int | None:
+    return engine_of(worker).served_version
+
+
+def _scale_records(worker: Any) -> list[ScaleRecord]:
+    return engine_of(worker).provenance.records()
+
+
+def _start_amax(worker: Any) -> None:
+    engine = engine_of(worker)
+    engine.amax_recorder = AttentionAmaxRecorder(engine.model)
+    engine.amax_recorder.start()
+
+
+def _stop_amax(worker: Any) -> dict[tuple[str, str], float]:
+    return engine_of(worker).amax_recorder.stop()
+
+
+def _apply_kv_policy(worker: Any, policy: KvScalePolicy, measured: dict | None) -> list[str]:
+    engine = engine_of(worker)
+    version = engine.served_version if engine.served_version is not None else 0
+    return apply_kv_scale_policy(engine.model, engine.provenance, KvScalePolicy(policy), version, measured)

@@ -1,0 +1,134 @@
+"""refit's backend for vLLM's weight-transfer subsystem (worker side).
+
+vLLM 0.32 owns the update lifecycle in each worker: `start_weight_update`,
+any number of `update_weights` chunks, `finish_weight_update`, driven through
+`collective_rpc`. Its built-in backends (nccl, ipc, sharded_rdt) move bytes
+GPU to GPU; refit moves them through Ray's object store to the rollout
+actor, which hands each bucket to its workers as the update payload. So this
+backend only loads: it wraps vLLM's layerwise reload exactly as the nccl
+backend does, and adds what refit needs on top:
+
+- provenance: which scales each sync streamed, from the parameter names
+  `load_weights` reports as loaded (not from what the trainer claims);
+- refusal before loading of streamed scales that are not positive and finite.
+
+Registered by name ("refit") from a `vllm.general_plugins` entry point, so
+every vLLM process knows it; engines opt in with
+`weight_transfer_config={"backend": "refit"}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from refit.errors import EngineError, InvalidTensorError, LifecycleError
+from refit.provenance import AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
+
+__all__ = ["BACKEND", "RefitUpdateInfo", "RefitWeightTransferEngine", "register"]
+
+BACKEND = "refit"
+
+
+@dataclass
+class RefitInitInfo(WeightTransferInitInfo):
+    """Nothing to negotiate: the transport is the rollout actor's Ray connection."""
+
+
+@dataclass
+class RefitUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: checkpoint-format `(name, tensor)` pairs of sync `version`."""
+
+    version: int
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.provenance = ScaleProvenanceTracker(model)
+        load_format = str(vllm_config.load_config.load_format)
+        names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(vllm_config.model_config.model)
+        self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
+        self.served_version: int | None = None
+        self.amax_recorder: AttentionAmaxRecorder | None = None  # set during a KV-scale recompute
+        self._update_version: int | None = None
+        self._loaded: set[str] = set()
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        """Put every layer in loadable form; buffers incoming tensors per layer."""
+        initialize_layerwise_reload(self.model)
+        self._update_version = None
+        self._loaded = set()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():  # copies into device params are asynchronous
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        """Load one bucket; each layer is processed as soon as it is complete."""
+        if self._update_version not in (None, update_info.version):
+            raise LifecycleError(
+                f"bucket of version {update_info.version} arrived during the update to version "
+                f"{self._update_version}; finish or abandon that update first"
+            )
+        self._update_version = update_info.version
+        _refuse_invalid_scales(update_info.tensors)
+        self._loaded |= set(self.model.load_weights(update_info.tensors))
+
+    def finish_weight_update(self) -> None:
+        """Finalize layerwise reload (attention layers last), then record provenance."""
+        if self._update_version is None:
+            raise LifecycleError("finish_weight_update: no bucket was received in this update")
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.provenance.record_streamed(self._loaded, self._update_version)
+        self.served_version = self._update_version
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _refuse_invalid_scales(tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A trainer that calibrates its own scales must send valid ones (checked before any load)."""
+    for name, tensor in tensors:
+        if name.endswith("_scale") and tensor.is_floating_point():
+            values = tensor.float()
+            if not bool(torch.isfinite(values).all() and (values > 0).all()):
+                raise InvalidTensorError(f"{name}: streamed scale holds non-positive or non-finite values")
+
+
+def register() -> None:
+    """`vllm.general_plugins` entry point: make the "refit" backend known in this process."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, RefitWeightTransferEngine)
+    except ValueError:  # vLLM runs general plugins more than once per process
+        pass
+
+
+def engine_of(worker: Any) -> RefitWeightTransferEngine:
+    """The refit backend of a vLLM worker, or a clear error if it was started without it."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, RefitWeightTransferEngine):
+        raise EngineError(
+            "this vLLM engine was not started with weight_transfer_config={'backend': 'refit'}; "
+            "create it through refit (actors.RolloutActor or refit.engine.engine_kwargs())"
+        )
+    return engine

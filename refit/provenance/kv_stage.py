@@ -1,0 +1,128 @@
+"""The post-refit stage: make every live attention scale valid and honest.
+
+Runs after each sync, between requests, never inside the engine's forward:
+data-dependent work in a compiled forward breaks torch.compile and CUDA
+graphs (vLLM PR 21640, ../shared/seeds/). Scales are written in place, into
+the tensors the kernels already hold, so captured graphs see new values.
+
+Policies:
+- `auto`: reset to 1.0 only scales whose provenance is `dummy` or
+  `placeholder`; `checkpoint`, `refit` and `calibrated` scales stay as they
+  are (the upstream fix reset everything and lost calibrated scales).
+- `recompute`: set q/k/v scales to amax / 448 measured on a calibration
+  batch at the current weights (`AttentionAmaxRecorder`), as the KV cache
+  sees them: K after its norm and RoPE.
+- `keep`: write nothing.
+Whatever the policy, a non-positive or non-finite scale left afterwards is
+refused with the names of the layers, so it never reaches a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+
+import torch
+
+from refit.errors import EngineError
+from refit.provenance.records import UNINFORMED, ScaleSource
+from refit.provenance.tracker import ScaleProvenanceTracker, is_attention_layer
+
+__all__ = ["AttentionAmaxRecorder", "KvScalePolicy", "apply_kv_scale_policy", "write_attention_scale"]
+
+FP8_E4M3_MAX = 448.0
+
+
+class KvScalePolicy(StrEnum):
+    AUTO = "auto"
+    RECOMPUTE = "recompute"
+    KEEP = "keep"
+
+
+def write_attention_scale(layer: torch.nn.Module, scale: str, value: float) -> None:
+    """Set one live attention scale in place, with the host copies backends read."""
+    getattr(layer, f"_{scale}").fill_(value)
+    setattr(layer, f"_{scale}_float", value)
+    host = getattr(layer, f"_{scale}_cpu", None)
+    if isinstance(host, torch.Tensor):
+        host.fill_(value)
+
+
+def apply_kv_scale_policy(
+    model: torch.nn.Module,
+    tracker: ScaleProvenanceTracker,
+    policy: KvScalePolicy,
+    version: int,
+    measured_amax: Mapping[tuple[str, str], float] | None = None,
+) -> list[str]:
+    """Apply `policy` to every attention scale; returns "module.scale" of those written.
+
+    Raises `EngineError` naming the layers if any scale is left invalid.
+    """
+    modules = dict(model.named_modules())
+    written: list[str] = []
+    for module, scale in tracker.attention_scales():
+        if policy is KvScalePolicy.RECOMPUTE and measured_amax and (module, scale) in measured_amax:
+            value = max(measured_amax[(module, scale)], torch.finfo(torch.float32).tiny) / FP8_E4M3_MAX
+            source = ScaleSource.CALIBRATED
+        elif policy is not KvScalePolicy.KEEP and tracker.source(module, scale) in UNINFORMED:
+            value, source = 1.0, ScaleSource.DEFAULT
+        else:
+            continue
+        write_attention_scale(modules[module], scale, value)
+        tracker.record_set(module, scale, source, version)
+        written.append(f"{module}.{scale}")
+    invalid = [
+        f"{r.module}.{r.scale}={r.value:.4g} ({r.source})"
+        for r in tracker.records()
+        if r.kind == "attention" and not (r.value > 0 and r.value != float("inf"))
+    ]
+    if invalid:
+        raise EngineError(
+            f"{len(invalid)} attention scale(s) are not positive and finite after the '{policy}' "
+            f"post-refit stage, refusing to serve with them: {', '.join(invalid[:8])}"
+            + (" ..." if len(invalid) > 8 else "")
+            + ". Use kv_scales='auto' or 'recompute', or stream valid scales from the trainer."
+        )
+    return written
+
+
+class AttentionAmaxRecorder:
+    """amax of q, k, v entering every attention layer between `start` and `stop`.
+
+    Forward pre-hooks see what the KV cache will store (K after norm and
+    RoPE). They only fire in an eager forward: a calibration pass that left
+    some attention layer unseen is refused rather than half-applied.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._layers = {n: m for n, m in model.named_modules() if is_attention_layer(m)}
+        self._amax: dict[tuple[str, str], float] = {}
+        self._handles: list = []
+
+    def start(self) -> None:
+        self._amax.clear()
+        self._handles = [m.register_forward_pre_hook(self._hook_for(n), with_kwargs=True) for n, m in self._layers.items()]
+
+    def stop(self) -> dict[tuple[str, str], float]:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        missing = [n for n in self._layers if (n, "k_scale") not in self._amax]
+        if missing:
+            raise EngineError(
+                f"KV-scale recompute saw no activations for {len(missing)} attention layer(s) "
+                f"(e.g. {missing[0]}): the calibration pass did not run eagerly. Start the engine "
+                "with enforce_eager=True to use kv_scales='recompute'."
+            )
+        return dict(self._amax)
+
+    def _hook_for(self, name: str) -> Callable:
+        def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            q, k, v = (args + tuple(kwargs.get(n) for n in ("query", "key", "value")))[:3]
+            for scale, tensor in (("q_scale", q), ("k_scale", k), ("v_scale", v)):
+                if tensor is not None and tensor.numel():
+                    seen = float(tensor.detach().abs().amax())
+                    self._amax[(name, scale)] = max(self._amax.get((name, scale), 0.0), seen)
+
+        return record

@@ -1,0 +1,124 @@
+"""Tracks, from facts, where every scale of a running vLLM model came from.
+
+The facts are: the engine's load format, the tensor names actually present in
+the checkpoint it loaded, and the parameter names each sync's `load_weights`
+reported as loaded. The upstream fix this replaces (see ../shared/seeds/)
+inferred "uncalibrated" from a missing `kv_cache_scheme`, which also wiped
+calibrated scales loaded from a real checkpoint; nothing here is inferred
+from config fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from refit.provenance.records import ScaleRecord, ScaleSource
+
+__all__ = ["ATTENTION_SCALES", "ScaleProvenanceTracker", "checkpoint_tensor_names"]
+
+# The live attention scales vLLM keeps, each as `_<name>` (a tensor the
+# kernels read) plus host-side float copies.
+ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> frozenset[str]:
+    """Names of every tensor in a safetensors checkpoint (headers only, no data read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return frozenset(names)
+
+
+class ScaleProvenanceTracker:
+    """Per-module, per-scale provenance of one vLLM model (one worker).
+
+    Lifecycle: `record_initial_load` once after the engine loaded, then for
+    every sync `record_streamed` (what the trainer sent) and `record_set`
+    (what the post-refit stage wrote).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._sources: dict[tuple[str, str], tuple[ScaleSource, int | None]] = {}
+        self._kinds: dict[tuple[str, str], str] = {}
+        for module_name, module in model.named_modules():
+            if is_attention_layer(module):
+                for scale in ATTENTION_SCALES:
+                    if hasattr(module, f"_{scale}"):
+                        self._kinds[(module_name, scale)] = "attention"
+            elif getattr(module, "quant_method", None) is not None:
+                for scale in _WEIGHT_SCALES:
+                    if isinstance(getattr(module, scale, None), torch.Tensor):
+                        self._kinds[(module_name, scale)] = "weight"
+
+    def record_initial_load(
+        self, load_format: str, checkpoint_names: frozenset[str], packed_modules: Mapping[str, list[str]]
+    ) -> None:
+        """What the engine's own load left in each scale.
+
+        `packed_modules` is the model's `packed_modules_mapping` (e.g.
+        `qkv_proj -> [q_proj, k_proj, v_proj]`): a fused module's scale came
+        from the checkpoint only if every shard's scale was there.
+        """
+        for module, scale in self._kinds:
+            if load_format == "dummy":
+                source = ScaleSource.DUMMY
+            elif all(name in checkpoint_names for name in _checkpoint_names(module, scale, packed_modules)):
+                source = ScaleSource.CHECKPOINT
+            else:
+                source = ScaleSource.PLACEHOLDER
+            self._sources[(module, scale)] = (source, None)
+
+    def record_streamed(self, loaded_param_names: Iterable[str], version: int) -> None:
+        """Scales among the vLLM parameter names `load_weights` reported as loaded."""
+        for name in loaded_param_names:
+            module, _, scale = name.rpartition(".")
+            if (module, scale) in self._kinds:
+                self._sources[(module, scale)] = (ScaleSource.REFIT, version)
+
+    def record_set(self, module: str, scale: str, source: ScaleSource, version: int | None) -> None:
+        self._sources[(module, scale)] = (source, version)
+
+    def source(self, module: str, scale: str) -> ScaleSource:
+        return self._sources[(module, scale)][0]
+
+    def attention_scales(self) -> list[tuple[str, str]]:
+        return [key for key, kind in self._kinds.items() if kind == "attention"]
+
+    def records(self) -> list[ScaleRecord]:
+        """Every tracked scale with its current value, in model order."""
+        modules = dict(self._model.named_modules())
+        out = []
+        for (module, scale), kind in self._kinds.items():
+            source, version = self._sources[(module, scale)]
+            out.append(ScaleRecord(module, scale, kind, source, version, _scale_value(modules[module], scale, kind)))
+        return out
+
+
+def is_attention_layer(module: torch.nn.Module) -> bool:
+    """vLLM attention layers are the modules holding live KV-cache scales."""
+    return hasattr(module, "_k_scale") and hasattr(module, "_k_scale_float") and hasattr(module, "kv_cache_dtype")
+
+
+def _checkpoint_names(module: str, scale: str, packed_modules: Mapping[str, list[str]]) -> list[str]:
+    parent, _, leaf = module.rpartition(".")
+    if leaf == "attn":
+        # llmcompressor writes `self_attn.k_scale`; vLLM remaps it onto the
+        # `self_attn.attn` layer. Either spelling counts.
+        return [f"{parent}.{scale}"] if parent else [scale]
+    shards = packed_modules.get(leaf, [leaf])
+    prefix = f"{parent}." if parent else ""
+    return [f"{prefix}{shard}.weight_scale" for shard in shards]
+
+
+def _scale_value(module: torch.nn.Module, scale: str, kind: str) -> float:
+    if kind == "attention":
+        return float(getattr(module, f"_{scale}").reshape(-1)[0])
+    return float(getattr(module, scale).detach().abs().max())

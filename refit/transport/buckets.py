@@ -1,0 +1,84 @@
+"""Packing tensors into one flat byte buffer per bucket, and back.
+
+Why a flat buffer: Ray stores a numpy array in its object store with one
+copy and hands it to every reader without another (zero-copy `ray.get`);
+a list of torch tensors is pickled tensor by tensor instead. Raw bytes also
+sidestep Ray's lack of float8 support (FACTS.md: `ray.get` of a
+`float8_e4m3fn` tensor fails), because dtypes travel as names.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["WireBucket", "WireTensor", "pack_bucket"]
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
+    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+)}
+_ALIGN = 64  # every tensor starts cache-line aligned, so views are aligned too
+
+
+@dataclass(frozen=True, slots=True)
+class WireTensor:
+    """Where one tensor lies in a bucket's buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WireBucket:
+    """One bucket as it travels: an index, a table of contents, and the bytes."""
+
+    index: int
+    tensors: tuple[WireTensor, ...]
+    buffer: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def unpack(self) -> list[tuple[str, torch.Tensor]]:
+        """Views into the buffer (no copy); the engine's loaders copy them into place."""
+        flat = _as_tensor(self.buffer)
+        return [
+            (t.name, flat[t.offset : t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape))
+            for t in self.tensors
+        ]
+
+
+def pack_bucket(index: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> WireBucket:
+    """Copy `tensors` (CPU or GPU) into one contiguous host buffer."""
+    items = list(tensors)
+    table: list[WireTensor] = []
+    offset = 0
+    for name, tensor in items:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} cannot travel in a refit bucket")
+        nbytes = tensor.numel() * tensor.element_size()
+        table.append(WireTensor(name, dtype, tuple(tensor.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    buffer = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    for entry, (_, tensor) in zip(table, items):
+        flat[entry.offset : entry.offset + entry.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+    return WireBucket(index, tuple(table), buffer)
+
+
+def _as_tensor(buffer: np.ndarray) -> torch.Tensor:
+    # Buffers fetched from Ray's object store are read-only; torch warns on
+    # wrapping them. Nothing writes through these views, so it is safe.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(buffer)
