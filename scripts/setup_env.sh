@@ -50,7 +50,8 @@ case "$flavour/$device" in
 esac
 
 stamp="$venv/.refit-setup-stamp"
-want=$( { echo "$flavour $device ${packages[*]} ${remove[*]}"; cat "$0" pyproject.toml; } | sha256sum | cut -d' ' -f1)
+# Top-level packages count too: the editable install maps them once.
+want=$( { echo "$flavour $device ${packages[*]} ${remove[*]}"; cat "$0" pyproject.toml; ls -d */__init__.py; } | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi

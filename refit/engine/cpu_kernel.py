@@ -57,7 +57,8 @@ try:
 except ImportError as exc:
     raise _incompatible_vllm(f"an import fails ({exc})") from exc
 
-_logger = init_logger(__name__)
+# vLLM formats and filters only loggers under "vllm"; this one should read like its peers.
+_logger = init_logger(f"vllm.{__name__}")
 
 
 class RefitCpuFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
@@ -124,12 +125,14 @@ class RefitCpuFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         return True, None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Keep vLLM's `[N, K]` layout; check the scale grid once per (re)load.
+        """Keep vLLM's `[N, K]` layout; check the block scales once per (re)load.
 
         The base class only normalises FP8 flavours and pads on ROCm (no-ops
-        here). Checking shapes and dtypes at load time turns a mismatched
+        here). Checking the scale grid at load time turns a mismatched
         checkpoint or reload into an error naming the layer, instead of a
-        broadcasting error (or silently wrong edge blocks) at the first forward.
+        broadcasting error (or silently wrong edge blocks) at the first
+        forward; checking its dtype refuses exponent-only (e8m0) scales, which
+        a plain multiply would misread.
         """
         super().process_weights_after_loading(layer)
         params = self._get_layer_params(layer)
@@ -137,8 +140,6 @@ class RefitCpuFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         name = f"{getattr(layer, 'prefix', '') or type(layer).__name__}.{params.block_scale_attr}"
         bn, bk = self.weight_group_shape.row, self.weight_group_shape.col
         grid = (-(-weight.shape[0] // bn), -(-weight.shape[1] // bk))
-        if weight.dtype not in _FP8_DTYPES:
-            raise InvalidTensorError(f"{name}: weight dtype {weight.dtype} is not FP8 E4M3")
         if scale.dtype not in _SCALE_DTYPES or tuple(scale.shape) != grid:
             raise InvalidTensorError(
                 f"{name}: block scale {scale.dtype} {tuple(scale.shape)} does not fit weight "

@@ -82,6 +82,9 @@ class RolloutEngine:
         self.config = config
         self.llm = LLM(**config.llm_kwargs())
         self._updating = False
+        # False after an abandoned update: some layers hold new weights, some
+        # old. Serving that as if whole is the failure refit exists to prevent.
+        self._consistent = True
 
     def describe(self) -> EngineDescription:
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -122,6 +125,7 @@ class RolloutEngine:
             raise LifecycleError("finish_update: call begin_update first")
         self.llm.collective_rpc("finish_weight_update")
         self._updating = False
+        self._consistent = True
         measured = None
         if kv_scales is KvScalePolicy.RECOMPUTE:
             if not calibration_prompts:
@@ -133,6 +137,16 @@ class RolloutEngine:
         # Cached prefixes hold K/V computed by the old weights.
         self.llm.reset_prefix_cache()
         return written
+
+    def abandon_update(self) -> None:
+        """Close a failed update: the model is left consistent in form but mixed in content.
+
+        Generation is refused until a later update completes.
+        """
+        if self._updating:
+            self._updating = False
+            self._consistent = False
+            self.llm.collective_rpc("finish_weight_update")
 
     def served_version(self) -> int | None:
         return self.llm.collective_rpc(_served_version)[0]
@@ -146,6 +160,11 @@ class RolloutEngine:
     ) -> Generation:
         if self._updating:
             raise LifecycleError("generate: an update is in progress; the model is half-loaded")
+        if not self._consistent:
+            raise LifecycleError(
+                "generate: the last update was abandoned half-way, so this engine holds a mix of old and "
+                "new weights; run a sync to completion before generating"
+            )
         from vllm import SamplingParams
 
         params = SamplingParams(

@@ -1,0 +1,97 @@
+"""Both ends of a sync's data path: trainer tensors -> wire buckets -> engine tensors.
+
+`produce_buckets` runs in the trainer's process (any weight-source actor can
+call it), `checkpoint_tensors` in the rollout's. Where FP8_BLOCK quantization
+happens is the plan's `quantize_on`: on the trainer by default, which halves
+the bytes every replica fetches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from refit.errors import InvalidTensorError, PlanMismatchError
+from refit.quantizer import quantize_fp8_block
+from refit.sync.plan import TensorMeta, TransferPlan
+from refit.transport.buckets import WireBucket, pack_bucket
+
+__all__ = ["checkpoint_tensors", "describe_weights", "produce_buckets"]
+
+
+def describe_weights(model: torch.nn.Module) -> list[TensorMeta]:
+    """Metadata of every parameter of a torch model, tied ones as aliases."""
+    modules = dict(model.named_modules())
+    first_name: dict[int, str] = {}
+    metas = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = modules[name.rpartition(".")[0]]
+        classes = tuple(c.__name__ for c in type(owner).__mro__)
+        alias_of = first_name.setdefault(id(param), name)
+        metas.append(TensorMeta(
+            name, tuple(param.shape), str(param.dtype).removeprefix("torch."), classes,
+            alias_of if alias_of != name else None,
+        ))
+    return metas
+
+
+def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Iterator[WireBucket]:
+    """Yield the plan's buckets, each packed and (if `quantize_on="trainer"`) quantized.
+
+    `tensor(name)` returns the trainer's current value of a parameter. Every
+    tensor is checked against the plan (shape, dtype, NaN/Inf) before the
+    first bucket is yielded: a refit either sends everything or nothing, so a
+    replica is never left half-updated by bad trainer state.
+    """
+    _preflight(plan, tensor)
+    for index, bucket in enumerate(plan.buckets):
+        wire: list[tuple[str, torch.Tensor]] = []
+        for planned in bucket:
+            value = tensor(planned.source).detach()
+            if planned.quantize and plan.quantize_on == "trainer":
+                q, scale = quantize_fp8_block(value, planned.block, name=planned.target)
+                wire += [(planned.target, q), (planned.target + "_scale", scale)]
+            else:
+                wire.append((planned.target, value))
+        yield pack_bucket(index, wire)
+
+
+def checkpoint_tensors(plan: TransferPlan, bucket: WireBucket) -> list[tuple[str, torch.Tensor]]:
+    """The bucket as the checkpoint-format tensors vLLM's loaders take."""
+    tensors = bucket.unpack()
+    if plan.quantize_on == "trainer":
+        return tensors
+    planned = {t.target: t for t in plan.buckets[bucket.index]}
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, value in tensors:
+        block = planned[name].block
+        if block is None:
+            out.append((name, value))
+        else:
+            q, scale = quantize_fp8_block(value, block, name=name)
+            out += [(name, q), (name + "_scale", scale)]
+    return out
+
+
+def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> None:
+    """All problems of all tensors, reported together; mismatches before bad values."""
+    mismatched: list[str] = []
+    non_finite: list[str] = []
+    for planned in plan.tensors:
+        try:
+            value = tensor(planned.source)
+        except KeyError:
+            mismatched.append(f"{planned.source}: in the plan but not in the trainer's model")
+            continue
+        if tuple(value.shape) != planned.shape or str(value.dtype).removeprefix("torch.") != planned.dtype:
+            mismatched.append(
+                f"{planned.source}: {tuple(value.shape)} {value.dtype} does not match the plan's "
+                f"{planned.shape} {planned.dtype}; the model changed since the plan was made, so make a new one"
+            )
+        elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            non_finite.append(f"{planned.source}: holds NaN or Inf")
+    if mismatched:
+        raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(mismatched + non_finite))
+    if non_finite:
+        raise InvalidTensorError("refusing to send any weight:\n  " + "\n  ".join(non_finite))
