@@ -1,0 +1,76 @@
+"""Which tensors are quantized comes from the rollout's quantization_config."""
+
+import copy
+import json
+
+import pytest
+
+from refit.errors import PlanMismatchError, UnsupportedSchemeError
+from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
+from refit.testing import model_dir
+
+LINEAR = ("Linear", "Module")
+
+
+@pytest.fixture
+def config():
+    return json.loads((model_dir(True, "fp8_block") / "config.json").read_text())["quantization_config"]
+
+
+def test_reads_llmcompressor_config(config):
+    scheme = Fp8BlockScheme.from_quantization_config(config)
+    assert scheme == Fp8BlockScheme(block=(128, 128), targets=("Linear",), ignore=("lm_head",))
+
+
+def test_targets_ignore_and_regex(config):
+    config = copy.deepcopy(config)
+    config["ignore"] = ["lm_head", "re:.*mlp\\.down_proj$"]
+    classes = {
+        "model.layers.0.self_attn.q_proj": LINEAR,
+        "model.layers.0.mlp.down_proj": LINEAR,
+        "model.layers.0.input_layernorm": ("Qwen3RMSNorm", "Module"),
+        "model.embed_tokens": ("Embedding", "Module"),
+        "lm_head": LINEAR,
+    }
+    q = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(config), classes)
+    assert q.is_quantized("model.layers.0.self_attn.q_proj.weight")
+    assert not q.is_quantized("model.layers.0.self_attn.q_proj.bias")  # only weights
+    assert not q.is_quantized("model.layers.0.mlp.down_proj.weight")  # re: ignore
+    assert not q.is_quantized("model.layers.0.input_layernorm.weight")  # not a Linear
+    assert not q.is_quantized("model.embed_tokens.weight")
+    assert not q.is_quantized("lm_head.weight")  # ignored by name
+
+
+def test_unknown_module_is_an_error_not_a_guess(config):
+    q = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(config), {})
+    with pytest.raises(PlanMismatchError, match="model.layers.0.mlp.up_proj.*not in the trainer's module list"):
+        q.is_quantized("model.layers.0.mlp.up_proj.weight")
+
+
+def test_other_schemes_are_refused_with_every_problem_listed(config):
+    config = copy.deepcopy(config)
+    weights = config["config_groups"]["group_0"]["weights"]
+    weights["strategy"] = "channel"
+    weights["num_bits"] = 4
+    weights["block_structure"] = None
+    with pytest.raises(UnsupportedSchemeError) as error:
+        Fp8BlockScheme.from_quantization_config(config)
+    message = str(error.value)
+    assert "weights.strategy='channel'" in message
+    assert "weights.num_bits=4" in message
+    assert "block_structure=None" in message
+
+
+def test_mixed_block_structures_are_refused(config):
+    config = copy.deepcopy(config)
+    other = copy.deepcopy(config["config_groups"]["group_0"])
+    other["weights"]["block_structure"] = [64, 64]
+    other["targets"] = ["re:.*mlp.*"]
+    config["config_groups"]["group_1"] = other
+    with pytest.raises(UnsupportedSchemeError, match="different block structures"):
+        Fp8BlockScheme.from_quantization_config(config)
+
+
+def test_block_structure_must_be_positive():
+    with pytest.raises(UnsupportedSchemeError, match="block structure"):
+        Fp8BlockScheme(block=(128, 0))
