@@ -121,7 +121,7 @@ class RefitCpuFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         if config.weight_quant_key.scale.dtype not in _SCALE_DTYPES:
             return False, f"needs float weight scales, got {config.weight_quant_key.scale.dtype}"
         if config.input_dtype not in _COMPUTE_DTYPES:
-            return False, f"computes in the input dtype, which must be float; got {config.input_dtype}"
+            return False, f"computes in the input dtype, so needs a float one, got {config.input_dtype}"
         return True, None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -1,0 +1,44 @@
+"""Write an FP8_BLOCK checkpoint of a bf16 checkpoint with refit's quantizer.
+
+Used to start a fresh engine on exactly the weights a sync delivers, the
+reference a synced engine must match. The quantizer is proven bit-identical
+to llmcompressor (tests/quantizer/test_llmcompressor_fixture.py), so this is
+the llmcompressor checkpoint of those weights, made without its venv.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
+
+__all__ = ["write_fp8_block_checkpoint"]
+
+
+def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, like: str | Path) -> Path:
+    """Quantize `bf16_dir` into `out_dir` with the quantization_config of checkpoint `like`."""
+    from transformers import AutoModelForCausalLM
+
+    from refit.orchestration.stream import describe_weights
+
+    bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
+    config = json.loads((bf16_dir / "config.json").read_text())
+    config["quantization_config"] = json.loads((Path(like) / "config.json").read_text())["quantization_config"]
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    classes = {m.name.rpartition(".")[0]: m.module_classes for m in describe_weights(model)}
+    quantizer = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(config["quantization_config"]), classes)
+
+    tensors = {}
+    for path in sorted(bf16_dir.glob("*.safetensors")):
+        tensors.update(quantizer(load_file(str(path)).items()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in ("generation_config.json",):
+        if (bf16_dir / extra).exists():
+            shutil.copy(bf16_dir / extra, out_dir / extra)
+    return out_dir
