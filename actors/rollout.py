@@ -21,8 +21,8 @@ import ray
 
 from refit.engine.rollout_engine import EngineConfig, EngineDescription, Generation, RolloutEngine
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
-from refit.sync.plan import TransferPlan
-from refit.sync.stream import checkpoint_tensors
+from refit.orchestration.plan import TransferPlan
+from refit.orchestration.stream import checkpoint_tensors
 from refit.transport.buckets import WireBucket
 
 __all__ = ["RolloutActor"]

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 import ray
 import torch
 
-from refit.sync.plan import TensorMeta, TransferPlan
-from refit.sync.stream import describe_weights, produce_buckets
+from refit.orchestration.plan import TensorMeta, TransferPlan
+from refit.orchestration.stream import describe_weights, produce_buckets
 from refit.transport.buckets import WireBucket
 
 __all__ = ["TrainerActor"]
@@ -72,7 +72,7 @@ class TrainerActor:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     def set_parameter(self, name: str, value: torch.Tensor) -> None:
         """Overwrite one parameter (tests use it to inject bad values)."""
@@ -100,6 +100,9 @@ class TrainerActor:
             logits = self.model(input_ids=ids).logits.float().log_softmax(-1)[0]
             out.append(logits[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist())
         return out
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def save(self, directory: str) -> None:
         """Write the current weights as an HF checkpoint (for fresh-engine comparisons)."""

@@ -26,14 +26,14 @@ from refit.errors import (
 )
 
 _LAZY = {
-    "sync": "refit.sync",
-    "Syncer": "refit.sync",
-    "SyncConfig": "refit.sync",
-    "SyncReport": "refit.sync",
-    "TensorMeta": "refit.sync",
-    "TransferPlan": "refit.sync",
-    "describe_weights": "refit.sync",
-    "produce_buckets": "refit.sync",
+    "sync": "refit.orchestration",
+    "Syncer": "refit.orchestration",
+    "SyncConfig": "refit.orchestration",
+    "SyncReport": "refit.orchestration",
+    "TensorMeta": "refit.orchestration",
+    "TransferPlan": "refit.orchestration",
+    "describe_weights": "refit.orchestration",
+    "produce_buckets": "refit.orchestration",
     "WireBucket": "refit.transport.buckets",
     "EngineConfig": "refit.engine.rollout_engine",
     "KvScalePolicy": "refit.provenance",

@@ -6,10 +6,10 @@
 - `report`: what a sync did, per stage and per replica.
 """
 
-from refit.sync.plan import PlannedTensor, TensorMeta, TransferPlan, make_plan
-from refit.sync.report import ReplicaReport, SyncReport
-from refit.sync.stream import checkpoint_tensors, describe_weights, produce_buckets
-from refit.sync.syncer import SyncConfig, Syncer, sync
+from refit.orchestration.plan import PlannedTensor, TensorMeta, TransferPlan, make_plan
+from refit.orchestration.report import ReplicaReport, SyncReport
+from refit.orchestration.stream import checkpoint_tensors, describe_weights, produce_buckets
+from refit.orchestration.syncer import SyncConfig, Syncer, sync
 
 __all__ = [
     "PlannedTensor",

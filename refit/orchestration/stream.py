@@ -14,7 +14,7 @@ import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.quantizer import quantize_fp8_block
-from refit.sync.plan import TensorMeta, TransferPlan
+from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.transport.buckets import WireBucket, pack_bucket
 
 __all__ = ["checkpoint_tensors", "describe_weights", "produce_buckets"]

@@ -29,8 +29,8 @@ from typing import Any
 import ray
 
 from refit.provenance import KvScalePolicy
-from refit.sync.plan import TransferPlan, make_plan
-from refit.sync.report import ReplicaReport, SyncReport
+from refit.orchestration.plan import TransferPlan, make_plan
+from refit.orchestration.report import ReplicaReport, SyncReport
 
 __all__ = ["SyncConfig", "Syncer", "sync"]
 

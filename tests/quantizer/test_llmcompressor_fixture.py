@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
-from refit.sync import describe_weights
+from refit.orchestration import describe_weights
 from refit.testing import model_dir
 
 
