@@ -37,12 +37,15 @@ class ActorFactory:
 
         return self._keep(TrainerActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(str(model_dir), **kwargs))
 
-    def rollout(self, model_dir, *, node: int = 0, **engine_kwargs):
+    def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, **engine_kwargs):
         from actors import RolloutActor
         from refit.engine.rollout_engine import EngineConfig
 
         config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
-        return self._keep(RolloutActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(config))
+        options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
+        if env:
+            options["runtime_env"] = {"env_vars": {**ENGINE_ENV, **env}}
+        return self._keep(RolloutActor.options(**options).remote(config))
 
     def _keep(self, actor):
         self.created.append(actor)
@@ -58,6 +61,16 @@ class ActorFactory:
 
 @pytest.fixture
 def actors_factory(ray_cluster) -> Iterator[ActorFactory]:
+    factory = ActorFactory()
+    try:
+        yield factory
+    finally:
+        factory.kill_all()
+
+
+@pytest.fixture(scope="module")
+def module_actors(ray_cluster) -> Iterator[ActorFactory]:
+    """Actors shared by the tests of one module (an engine costs ~20 s to start)."""
     factory = ActorFactory()
     try:
         yield factory

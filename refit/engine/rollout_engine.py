@@ -10,15 +10,17 @@ It holds no Ray state; `actors.RolloutActor` wraps it for Ray.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from refit.engine.transfer_engine import BACKEND, engine_of
-from refit.errors import LifecycleError
-from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, ScaleRecord, apply_kv_scale_policy
+from refit.engine.transfer_engine import BACKEND
+from refit.engine.worker_extension import WORKER_EXTENSION
+from refit.errors import EngineError, LifecycleError
+from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
 
 __all__ = ["EngineConfig", "EngineDescription", "Generation", "RolloutEngine"]
 
@@ -38,7 +40,7 @@ class EngineConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict[str, Any]:
-        reserved = {"weight_transfer_config", "skip_tokenizer_init"} & set(self.extra)
+        reserved = {"weight_transfer_config", "worker_extension_cls", "skip_tokenizer_init"} & set(self.extra)
         if reserved:
             raise ValueError(f"EngineConfig.extra may not set {sorted(reserved)}: refit sets them")
         return {
@@ -53,6 +55,7 @@ class EngineConfig:
             # Rollouts exchange token ids with the trainer; no tokenizer needed.
             "skip_tokenizer_init": True,
             "weight_transfer_config": {"backend": BACKEND},
+            "worker_extension_cls": WORKER_EXTENSION,
             **self.extra,
         }
 
@@ -77,11 +80,22 @@ class Generation:
 
 class RolloutEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # The engine core must live in this process: in a separate core
+        # process, tensors decoded from an RPC cannot be pickled on to the
+        # workers ("cannot pickle memoryview objects"). Workers may still be
+        # separate processes (tensor parallel > 1).
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            raise EngineError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING=1: refit needs vLLM's engine core in the rollout process; "
+                "unset it or set it to 0 (tensor-parallel workers still run as separate processes)"
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.config = config
         self.llm = LLM(**config.llm_kwargs())
         self._updating = False
+        self._buckets_loaded = 0
         # False after an abandoned update: some layers hold new weights, some
         # old. Serving that as if whole is the failure refit exists to prevent.
         self._consistent = True
@@ -90,7 +104,7 @@ class RolloutEngine:
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         quant = getattr(hf_config, "quantization_config", None)
-        names = self.llm.collective_rpc(_parameter_names)[0]
+        names = self.llm.collective_rpc("refit_parameter_names")[0]
         return EngineDescription(
             quantization_config=dict(quant) if quant else None,
             tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
@@ -107,11 +121,13 @@ class RolloutEngine:
             raise LifecycleError("begin_update: an update is already in progress")
         self.llm.collective_rpc("start_weight_update")
         self._updating = True
+        self._buckets_loaded = 0
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
         """Load one bucket of checkpoint-format tensors. Must follow `begin_update`."""
         if not self._updating:
             raise LifecycleError("load: call begin_update first")
+        self._buckets_loaded += 1  # counted first: a bucket that failed half-way is partly loaded
         self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors)},))
 
     def finish_update(
@@ -126,33 +142,38 @@ class RolloutEngine:
         self.llm.collective_rpc("finish_weight_update")
         self._updating = False
         self._consistent = True
+        self._buckets_loaded = 0
         measured = None
         if kv_scales is KvScalePolicy.RECOMPUTE:
             if not calibration_prompts:
                 raise ValueError("kv_scales='recompute' needs calibration_prompts")
-            self.llm.collective_rpc(_start_amax)
+            self.llm.collective_rpc("refit_start_amax")
             self.generate(calibration_prompts, max_tokens=1)
-            measured = self.llm.collective_rpc(_stop_amax)[0]
-        written = self.llm.collective_rpc(_apply_kv_policy, args=(kv_scales, measured))[0]
+            # Tensor-parallel ranks see different heads: the amax is the max over ranks.
+            measured = _max_over_ranks(self.llm.collective_rpc("refit_stop_amax"))
+        written = self.llm.collective_rpc("refit_apply_kv_policy", args=(str(kv_scales), measured))[0]
         # Cached prefixes hold K/V computed by the old weights.
         self.llm.reset_prefix_cache()
         return written
 
     def abandon_update(self) -> None:
-        """Close a failed update: the model is left consistent in form but mixed in content.
+        """Close a failed update.
 
-        Generation is refused until a later update completes.
+        If no bucket was loaded, the old model is intact and keeps serving.
+        Otherwise some layers hold new weights and some old: generation is
+        refused until a later update completes.
         """
         if self._updating:
             self._updating = False
-            self._consistent = False
+            self._consistent = self._buckets_loaded == 0
             self.llm.collective_rpc("finish_weight_update")
 
     def served_version(self) -> int | None:
-        return self.llm.collective_rpc(_served_version)[0]
+        return self.llm.collective_rpc("refit_served_version")[0]
 
     def scale_records(self) -> list[ScaleRecord]:
-        return self.llm.collective_rpc(_scale_records)[0]
+        rows = self.llm.collective_rpc("refit_scale_records")[0]
+        return [ScaleRecord(**{**row, "source": ScaleSource(row["source"])}) for row in rows]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, prompt_logprobs: bool = False,
@@ -185,31 +206,9 @@ class RolloutEngine:
         return Generation(token_ids, logprobs, prompt_lps if prompt_logprobs else None)
 
 
-# Worker-side calls, sent by `collective_rpc` (by reference: module-level
-# functions of an importable module pickle by name).
-def _parameter_names(worker: Any) -> list[str]:
-    return [name for name, _ in worker.model_runner.get_model().named_parameters()]
-
-
-def _served_version(worker: Any) -> int | None:
-    return engine_of(worker).served_version
-
-
-def _scale_records(worker: Any) -> list[ScaleRecord]:
-    return engine_of(worker).provenance.records()
-
-
-def _start_amax(worker: Any) -> None:
-    engine = engine_of(worker)
-    engine.amax_recorder = AttentionAmaxRecorder(engine.model)
-    engine.amax_recorder.start()
-
-
-def _stop_amax(worker: Any) -> dict[tuple[str, str], float]:
-    return engine_of(worker).amax_recorder.stop()
-
-
-def _apply_kv_policy(worker: Any, policy: KvScalePolicy, measured: dict | None) -> list[str]:
-    engine = engine_of(worker)
-    version = engine.served_version if engine.served_version is not None else 0
-    return apply_kv_scale_policy(engine.model, engine.provenance, KvScalePolicy(policy), version, measured)
+def _max_over_ranks(per_rank: list[list[tuple[str, str, float]]]) -> list[tuple[str, str, float]]:
+    amax: dict[tuple[str, str], float] = {}
+    for rows in per_rank:
+        for module, scale, value in rows:
+            amax[(module, scale)] = max(amax.get((module, scale), 0.0), value)
+    return [(module, scale, value) for (module, scale), value in amax.items()]

@@ -93,10 +93,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._loaded |= set(self.model.load_weights(update_info.tensors))
 
     def finish_weight_update(self) -> None:
-        """Finalize layerwise reload (attention layers last), then record provenance."""
-        if self._update_version is None:
-            raise LifecycleError("finish_weight_update: no bucket was received in this update")
+        """Finalize layerwise reload (attention layers last), then record provenance.
+
+        With no bucket received (an update abandoned before its first bucket),
+        finalizing puts every layer's original tensors back: the model is
+        exactly what it was, and still serves its old version.
+        """
         finalize_layerwise_reload(self.model, self.model_config)
+        if self._update_version is None:
+            return
         self.provenance.record_streamed(self._loaded, self._update_version)
         self.served_version = self._update_version
 

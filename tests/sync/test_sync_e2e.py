@@ -65,8 +65,32 @@ def test_fp8_replicas_on_two_nodes_match_a_fresh_engine_on_the_same_weights(acto
     fresh_dir = write_fp8_block_checkpoint(tmp_path / "bf16", tmp_path / "fp8", like=model_dir(True, "fp8_block"))
     fresh = actors_factory.rollout(fresh_dir, node=1, kv_cache_dtype="fp8_e4m3")
     expected = ray.get(fresh.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
+    assert_serves(replicas, expected)
+
+    # Quantizing in the rollout process instead (bf16 on the wire) delivers the same bits.
+    report = refit.Syncer(trainer, replicas, refit.SyncConfig(quantize_on="rollout")).sync()
+    assert report.version == 2
+    assert report.bytes_on_wire == sum(t.source_bytes for t in refit.Syncer(trainer, replicas).plan().tensors)
+    assert_serves(replicas, expected)
+
+
+def assert_serves(replicas, expected) -> None:
     for replica in replicas:
         got = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
         assert got.token_ids == expected.token_ids
         assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
         assert max_abs_diff([r[1:] for r in got.prompt_logprobs], [r[1:] for r in expected.prompt_logprobs]) < 1e-5
+
+
+def test_tensor_parallel_engine_with_worker_processes(actors_factory):
+    """TP=2: each worker is its own process, reached through the worker extension."""
+    trainer = changed_trainer(actors_factory, tied=True)
+    rollout = actors_factory.rollout(
+        model_dir(True, "bf16"), load_format="dummy", tensor_parallel_size=2,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker; vLLM cannot auto-bind 2 on 1 NUMA node
+    )
+    report = refit.sync(trainer, rollout)
+    assert report.replicas[0].served_version == 1
+    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
+        trainer.generate.remote(PROMPTS, NEW_TOKENS)
+    )

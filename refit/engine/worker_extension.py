@@ -1,0 +1,52 @@
+"""Worker-side methods the rollout engine calls through `collective_rpc`.
+
+vLLM mixes `worker_extension_cls` into every worker class, in-process or in
+separate worker processes (tensor parallel > 1), so these methods run next to
+each worker's model. Calls by method name are serialized with vLLM's own
+msgpack encoder; a pickled callable would need
+VLLM_ALLOW_INSECURE_SERIALIZATION=1. For the same reason every return value
+is plain data (lists, dicts, floats), never a refit class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from refit.engine.transfer_engine import RefitWeightTransferEngine, engine_of
+from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, apply_kv_scale_policy
+
+__all__ = ["WORKER_EXTENSION", "RefitWorkerExtension"]
+
+WORKER_EXTENSION = f"{__name__}.RefitWorkerExtension"
+
+
+class RefitWorkerExtension:
+    """Mixed into vLLM's worker class; `self` is the worker."""
+
+    def _refit(self) -> RefitWeightTransferEngine:
+        return engine_of(self)
+
+    def refit_parameter_names(self) -> list[str]:
+        return [name for name, _ in self.model_runner.get_model().named_parameters()]
+
+    def refit_served_version(self) -> int | None:
+        return self._refit().served_version
+
+    def refit_scale_records(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self._refit().provenance.records()]
+
+    def refit_start_amax(self) -> None:
+        engine = self._refit()
+        engine.amax_recorder = AttentionAmaxRecorder(engine.model)
+        engine.amax_recorder.start()
+
+    def refit_stop_amax(self) -> list[tuple[str, str, float]]:
+        amax = self._refit().amax_recorder.stop()
+        return [(module, scale, value) for (module, scale), value in amax.items()]
+
+    def refit_apply_kv_policy(self, policy: str, measured: list[tuple[str, str, float]] | None) -> list[str]:
+        engine = self._refit()
+        version = engine.served_version if engine.served_version is not None else 0
+        amax = {(module, scale): value for module, scale, value in measured} if measured else None
+        return apply_kv_scale_policy(engine.model, engine.provenance, KvScalePolicy(policy), version, amax)
