@@ -74,6 +74,12 @@ class TrainerActor:
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    def attention_amax(self, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+        """q/k/v amax per layer as the KV cache sees them (a reference for KV-scale recompute)."""
+        from refit.testing.reference import attention_amax
+
+        return attention_amax(self.model, prompts)
+
     def set_parameter(self, name: str, value: torch.Tensor) -> None:
         """Overwrite one parameter (tests use it to inject bad values)."""
         with torch.no_grad():

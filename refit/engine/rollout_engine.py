@@ -96,9 +96,11 @@ class RolloutEngine:
         self.llm = LLM(**config.llm_kwargs())
         self._updating = False
         self._buckets_loaded = 0
-        # False after an abandoned update: some layers hold new weights, some
-        # old. Serving that as if whole is the failure refit exists to prevent.
-        self._consistent = True
+        # Why this engine must not serve, if it must not: after an abandoned
+        # update some layers hold new weights and some old, and after a refused
+        # KV-scale stage the scales are invalid. Serving either as if whole is
+        # the failure refit exists to prevent.
+        self._unservable: str | None = None
 
     def describe(self) -> EngineDescription:
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -141,19 +143,23 @@ class RolloutEngine:
             raise LifecycleError("finish_update: call begin_update first")
         self.llm.collective_rpc("finish_weight_update")
         self._updating = False
-        self._consistent = True
         self._buckets_loaded = 0
+        self._unservable = "the post-refit KV-scale stage did not complete"
         measured = None
         if kv_scales is KvScalePolicy.RECOMPUTE:
             if not calibration_prompts:
                 raise ValueError("kv_scales='recompute' needs calibration_prompts")
+            # The calibration pass itself runs through an FP8 KV cache, which
+            # refuses dummy scales: make placeholders valid (1.0) first.
+            self.llm.collective_rpc("refit_apply_kv_policy", args=(str(KvScalePolicy.AUTO), None))
             self.llm.collective_rpc("refit_start_amax")
-            self.generate(calibration_prompts, max_tokens=1)
+            self._generate(calibration_prompts, max_tokens=1)
             # Tensor-parallel ranks see different heads: the amax is the max over ranks.
             measured = _max_over_ranks(self.llm.collective_rpc("refit_stop_amax"))
         written = self.llm.collective_rpc("refit_apply_kv_policy", args=(str(kv_scales), measured))[0]
         # Cached prefixes hold K/V computed by the old weights.
         self.llm.reset_prefix_cache()
+        self._unservable = None
         return written
 
     def abandon_update(self) -> None:
@@ -165,7 +171,8 @@ class RolloutEngine:
         """
         if self._updating:
             self._updating = False
-            self._consistent = self._buckets_loaded == 0
+            if self._buckets_loaded:
+                self._unservable = "the last update was abandoned half-way, so some layers hold old weights"
             self.llm.collective_rpc("finish_weight_update")
 
     def served_version(self) -> int | None:
@@ -181,11 +188,14 @@ class RolloutEngine:
     ) -> Generation:
         if self._updating:
             raise LifecycleError("generate: an update is in progress; the model is half-loaded")
-        if not self._consistent:
-            raise LifecycleError(
-                "generate: the last update was abandoned half-way, so this engine holds a mix of old and "
-                "new weights; run a sync to completion before generating"
-            )
+        if self._unservable:
+            raise LifecycleError(f"generate: {self._unservable}; run a sync to completion before generating")
+        return self._generate(prompts, max_tokens, prompt_logprobs, temperature)
+
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, prompt_logprobs: bool = False,
+        temperature: float = 0.0,
+    ) -> Generation:
         from vllm import SamplingParams
 
         params = SamplingParams(

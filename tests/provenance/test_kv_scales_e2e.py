@@ -1,0 +1,133 @@
+"""The seed bug (../shared/seeds/), reproduced and then prevented, on real engines.
+
+An FP8_BLOCK rollout started with load_format="dummy" adopts the dummy value
+(-0.000942 here) as every attention q/k/v/prob scale, and a refit never
+touches them: with an FP8 KV cache it cannot generate. refit records where
+each scale came from and resets only the placeholder ones.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+import refit
+from refit.provenance import KvScalePolicy, ScaleSource
+from refit.testing import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+
+PROMPTS = make_prompts(16, PROMPT_LEN, seed=31)
+CALIBRATION = make_prompts(8, 24, seed=32)
+# Established on these fixtures: FP8_BLOCK weights plus an FP8 KV cache (scales
+# 1.0) move prompt log-probabilities by up to 0.14 nats from the bf16 trainer
+# (max over 16 prompts x 7 positions; the largest at the uncertain positions
+# before the step is known); greedy tokens do not change. Dummy KV scales do
+# not generate at all, and wrong weights miss by whole nats.
+FP8_LOGPROB_TOLERANCE = 0.25
+
+
+def by_key(records):
+    return {(r.module, r.scale): r for r in records}
+
+
+def test_dummy_scales_make_plain_vllm_fail_after_a_refit():
+    """The bug is real: vLLM's own reload, no refit stage, FP8 KV cache."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir(True, "fp8_block")), load_format="dummy", kv_cache_dtype="fp8_e4m3",
+              skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
+    try:
+        weights = list(load_file(str(model_dir(True, "fp8_block") / "model.safetensors")).items())
+        weights.append(("lm_head.weight", dict(weights)["model.embed_tokens.weight"]))
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        scales = llm.apply_model(lambda m: [l._k_scale_float for n, l in m.named_modules() if n.endswith(".attn")])[0]
+        assert all(s == pytest.approx(-0.000942, abs=1e-6) for s in scales), scales
+        with pytest.raises(Exception, match="k_scale must be positive"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def seed_setup(module_actors):
+    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    rollout = module_actors.rollout(model_dir(True, "fp8_block"), load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    return trainer, rollout
+
+
+def test_keep_policy_refuses_to_serve_dummy_scales(seed_setup):
+    trainer, rollout = seed_setup
+    with pytest.raises(refit.EngineError, match=r"8 attention scale\(s\) are not positive.*self_attn\.attn\.q_scale=-0\.000942 \(dummy\)"):
+        refit.sync(trainer, rollout, refit.SyncConfig(kv_scales=KvScalePolicy.KEEP))
+    with pytest.raises(ray.exceptions.RayTaskError, match="post-refit KV-scale stage did not complete"):
+        ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS))
+
+
+def test_auto_policy_heals_the_seed_scenario(seed_setup):
+    trainer, rollout = seed_setup
+    report = refit.sync(trainer, rollout)
+    assert sorted(report.replicas[0].kv_scales_written) == sorted(
+        f"model.layers.{i}.self_attn.attn.{s}" for i in range(2) for s in ("q_scale", "k_scale", "v_scale", "prob_scale")
+    )
+
+    records = ray.get(rollout.scale_records.remote())
+    attention = [r for r in records if r.kind == "attention"]
+    weights = [r for r in records if r.kind == "weight"]
+    assert len(attention) == 8 and len(weights) == 8  # qkv, o, gate_up, down per layer
+    assert all(r.source is ScaleSource.DEFAULT and r.value == 1.0 and r.version == report.version for r in attention)
+    assert all(r.source is ScaleSource.REFIT and r.version == report.version for r in weights)
+    table = ray.get(rollout.scale_table.remote())
+    row = rf"^model\.layers\.1\.self_attn\.attn +k_scale +default +{report.version} +1$"
+    assert re.search(row, table, re.MULTILINE), table
+
+    out = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
+    assert accuracy(PROMPTS, out.token_ids) == 1.0
+    assert out.token_ids == ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
+    reference = ray.get(trainer.prompt_logprobs.remote(PROMPTS))
+    worst = max(abs(a - b) for got, ref in zip(out.prompt_logprobs, reference) for a, b in zip(got[1:], ref))
+    assert worst < FP8_LOGPROB_TOLERANCE
+
+
+def test_recompute_matches_amax_measured_on_the_trainers_model(seed_setup):
+    trainer, rollout = seed_setup
+    config = refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE, calibration_prompts=tuple(map(tuple, CALIBRATION)))
+    report = refit.sync(trainer, rollout, config)
+
+    expected = ray.get(trainer.attention_amax.remote(CALIBRATION))
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for layer in range(2):
+        for scale in ("q_scale", "k_scale", "v_scale"):
+            record = records[(f"model.layers.{layer}.self_attn.attn", scale)]
+            assert record.source is ScaleSource.CALIBRATED and record.version == report.version
+            # Measured within 1.6%: the engine sees FP8 weights, the trainer bf16.
+            assert record.value == pytest.approx(expected[f"{layer}.{scale}"] / 448.0, rel=0.05), (layer, scale)
+        assert records[(f"model.layers.{layer}.self_attn.attn", "prob_scale")].source is ScaleSource.DEFAULT
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+    # A later auto sync keeps the calibrated scales: they are not placeholders.
+    refit.sync(trainer, rollout)
+    after = by_key(ray.get(rollout.scale_records.remote()))
+    assert after[("model.layers.0.self_attn.attn", "k_scale")].source is ScaleSource.CALIBRATED
+
+
+def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_actors):
+    checkpoint = load_file(str(model_dir(True, "fp8_block_kv") / "model.safetensors"))
+    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    rollout = module_actors.rollout(model_dir(True, "fp8_block_kv"), kv_cache_dtype="fp8_e4m3")
+
+    refit.sync(trainer, rollout)
+
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for layer in range(2):
+        module = f"model.layers.{layer}.self_attn.attn"
+        for scale in ("k_scale", "v_scale"):
+            stored = checkpoint[f"model.layers.{layer}.self_attn.{scale}"].float().item()
+            assert records[(module, scale)].source is ScaleSource.CHECKPOINT
+            assert records[(module, scale)].value == stored  # bit-identical float32
+            assert stored > 0 and math.isfinite(stored)
+        assert records[(module, "q_scale")].source is ScaleSource.DEFAULT  # never in the checkpoint
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
