@@ -59,23 +59,23 @@ class ActorFactory:
         self.created.clear()
 
 
-@pytest.fixture
-def actors_factory(ray_cluster) -> Iterator[ActorFactory]:
+def _actors() -> Iterator[ActorFactory]:
     factory = ActorFactory()
     try:
         yield factory
     finally:
         factory.kill_all()
+
+
+@pytest.fixture
+def actors_factory(ray_cluster) -> Iterator[ActorFactory]:
+    yield from _actors()
 
 
 @pytest.fixture(scope="module")
 def module_actors(ray_cluster) -> Iterator[ActorFactory]:
     """Actors shared by the tests of one module (an engine costs ~20 s to start)."""
-    factory = ActorFactory()
-    try:
-        yield factory
-    finally:
-        factory.kill_all()
+    yield from _actors()
 
 
 @pytest.fixture(autouse=True)

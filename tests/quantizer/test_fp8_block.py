@@ -75,6 +75,14 @@ def test_every_bf16_value_is_coded_like_compressed_tensors():
     assert_bits_equal(quantize_fp8_block(w), compressed_tensors_fp8_block(w))
 
 
+def test_kernel_fp8_conversion_equals_torch_for_every_bf16_value():
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = every[torch.isfinite(every)]
+    expected = (finite + 0.0).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    got = _fused_cpu.bf16_to_fp8_codes(finite)
+    assert torch.equal(got, expected), f"{int((got != expected).sum())} codes differ"
+
+
 def test_non_contiguous_input():
     w = make_weight((256, 384), torch.bfloat16, 0.1).t()
     assert_bits_equal(quantize_fp8_block(w), compressed_tensors_fp8_block(w.contiguous()))
