@@ -22,25 +22,19 @@ import torch.nn.functional as F
 import vllm
 import vllm.platforms
 
-from refit.errors import EngineError, InvalidTensorError
+from refit.engine.compat import EXPECTED_VLLM_VERSION, incompatible_vllm
+from refit.errors import InvalidTensorError
 from refit.quantizer.fp8_block import dequantize_fp8_block
 
 __all__ = ["EXPECTED_VLLM_VERSION", "RefitCpuFp8BlockKernel", "register"]
-
-EXPECTED_VLLM_VERSION = "0.32.0"
-"""The vLLM whose kernel-selection internals this module was written against."""
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _incompatible_vllm(problem: str) -> EngineError:
-    return EngineError(
-        f"refit's CPU FP8_BLOCK kernel was written for vLLM {EXPECTED_VLLM_VERSION}, but in the "
-        f"installed vLLM {vllm.__version__} {problem}. Install vLLM {EXPECTED_VLLM_VERSION} "
-        "(scripts/setup_env.sh main) or port refit/engine/cpu_kernel.py to this version."
-    )
+def _incompatible_vllm(problem: str):
+    return incompatible_vllm("CPU FP8_BLOCK kernel", problem)
 
 
 try:

@@ -23,14 +23,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from refit.engine.compat import incompatible_vllm, require_vllm_release
 from refit.errors import EngineError, InvalidTensorError, LifecycleError
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+except ImportError as error:  # vLLM only logs a plugin that fails to import
+    raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
 from refit.provenance import AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
 
 __all__ = ["BACKEND", "RefitUpdateInfo", "RefitWeightTransferEngine", "register"]
@@ -120,8 +126,7 @@ def _refuse_invalid_scales(tensors: list[tuple[str, torch.Tensor]]) -> None:
 
 def register() -> None:
     """`vllm.general_plugins` entry point: make the "refit" backend known in this process."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
+    require_vllm_release("weight-transfer backend")
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, RefitWeightTransferEngine)
     except ValueError:  # vLLM runs general plugins more than once per process

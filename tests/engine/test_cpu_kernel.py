@@ -51,7 +51,8 @@ from vllm.platforms import PlatformEnum
 from vllm.platforms.interface import UnspecifiedPlatform
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from refit.engine import EXPECTED_VLLM_VERSION, RefitCpuFp8BlockKernel, register
+from refit.engine import EXPECTED_VLLM_VERSION, RefitCpuFp8BlockKernel
+from refit.engine.cpu_kernel import register
 from refit.errors import EngineError, InvalidTensorError
 from refit.testing import tiny_qwen3_config
 
