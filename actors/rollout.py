@@ -67,8 +67,10 @@ class RolloutActor:
         self._plan: TransferPlan | None = None
         self._version: int | None = None
 
+    @ray.method(concurrency_group="serve")
     def describe(self) -> EngineDescription:
-        return self.engine.describe()
+        with self._gate.request():  # talks to the workers: never during an update
+            return self.engine.describe()
 
     # -- update lifecycle ("update" group: one thread, submission order) -------
     @ray.method(concurrency_group="update")

@@ -87,14 +87,11 @@ class TrainerActor:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8) -> list[list[int]]:
-        """Greedy continuations, the reference a rollout must reproduce."""
+        """Greedy continuations, the reference a rollout must reproduce (prompts of any lengths)."""
+        from refit.testing import greedy_continuations
+
         self.model.eval()
-        out = []
-        for prompt in prompts:
-            ids = torch.tensor([list(prompt)])
-            gen = self.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            out.append(gen[0, len(prompt):].tolist())
-        return out
+        return [greedy_continuations(self.model, [prompt], max_new_tokens)[0] for prompt in prompts]
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -35,7 +35,7 @@ class ActorFactory:
     def trainer(self, model_dir, *, node: int = 0, **kwargs):
         from actors import TrainerActor
 
-        return self._keep(TrainerActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(str(model_dir), **kwargs))
+        return self.keep(TrainerActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(str(model_dir), **kwargs))
 
     def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, **engine_kwargs):
         from actors import RolloutActor
@@ -45,9 +45,9 @@ class ActorFactory:
         options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
         if env:
             options["runtime_env"] = {"env_vars": {**ENGINE_ENV, **env}}
-        return self._keep(RolloutActor.options(**options).remote(config))
+        return self.keep(RolloutActor.options(**options).remote(config))
 
-    def _keep(self, actor):
+    def keep(self, actor):
         self.created.append(actor)
         return actor
 

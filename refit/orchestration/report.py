@@ -24,7 +24,7 @@ class SyncReport:
     buckets: int
     bytes_on_wire: int  # what each replica fetched
     plan_seconds: float  # 0.0 when the plan was reused
-    trainer_seconds: float  # preflight checks, quantization and packing
+    trainer_seconds: float | None  # preflight checks, quantization and packing (if the trainer reports it)
     total_seconds: float
     replicas: tuple[ReplicaReport, ...]
 
@@ -35,7 +35,8 @@ class SyncReport:
         mib = self.bytes_on_wire / 2**20
         lines = [
             f"sync v{self.version}: {self.tensors} tensors in {self.buckets} buckets, {mib:.1f} MiB on the wire, "
-            f"{self.total_seconds:.3f} s total (plan {self.plan_seconds:.3f} s, trainer {self.trainer_seconds:.3f} s)"
+            f"{self.total_seconds:.3f} s total (plan {self.plan_seconds:.3f} s"
+            + (f", trainer {self.trainer_seconds:.3f} s)" if self.trainer_seconds is not None else ")")
         ]
         lines += [
             f"  replica {r.replica} on {r.node_id[:8]}: load {r.load_seconds:.3f} s, finish {r.finish_seconds:.3f} s, "

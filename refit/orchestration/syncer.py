@@ -110,7 +110,7 @@ class Syncer:
             buckets=len(plan.buckets),
             bytes_on_wire=plan.wire_bytes,
             plan_seconds=plan_seconds,
-            trainer_seconds=ray.get(self.trainer.last_stream_seconds.remote()),
+            trainer_seconds=self._trainer_seconds(),
             total_seconds=time.perf_counter() - start,
             replicas=tuple(
                 ReplicaReport(i, nodes[i], served[i], load_seconds[i], finished[i][0], tuple(finished[i][1]))
@@ -125,17 +125,30 @@ class Syncer:
         ).remote(plan)
         in_flight: collections.deque[list[ray.ObjectRef]] = collections.deque()
         seconds = [0.0] * len(self.rollouts)
+
+        def wait_oldest() -> None:
+            for replica, spent in enumerate(ray.get(in_flight.popleft())):
+                seconds[replica] += spent
+
         count = 0
         for bucket in buckets:
             in_flight.append([r.load_bucket.remote(bucket) for r in self.rollouts])
             count += 1
             while len(in_flight) >= self.config.max_buckets_in_flight:
-                seconds = [a + b for a, b in zip(seconds, ray.get(in_flight.popleft()))]
+                wait_oldest()
         while in_flight:
-            seconds = [a + b for a, b in zip(seconds, ray.get(in_flight.popleft()))]
+            wait_oldest()
         if count != len(plan.buckets):
             raise RuntimeError(f"the trainer streamed {count} buckets, the plan has {len(plan.buckets)}")
         return seconds
+
+    def _trainer_seconds(self) -> float | None:
+        # Optional in the weight-source protocol: custom trainers may not time themselves.
+        try:
+            method = self.trainer.last_stream_seconds
+        except AttributeError:
+            return None
+        return ray.get(method.remote())
 
     def _next_version(self) -> int:
         if self._version is None:

@@ -84,3 +84,36 @@ def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(module
     assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
         trainer.generate.remote(PROMPTS, NEW_TOKENS)
     )
+
+
+@ray.remote
+class MinimalTrainer:
+    """A user's own trainer: only the two documented weight-source methods (plus a reference)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(4)
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint)).to(torch.bfloat16)
+
+    def weight_metadata(self):
+        return refit.describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        yield from refit.produce_buckets(plan, dict(self.model.named_parameters()).__getitem__)
+
+    def reference(self, prompts, n):
+        from refit.testing import greedy_continuations
+
+        return greedy_continuations(self.model, prompts, n)
+
+
+def test_any_actor_with_the_weight_source_methods_can_be_synced(module_actors, rollout):
+    trainer = module_actors.keep(
+        MinimalTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(str(model_dir(False, "bf16")))
+    )
+    report = refit.sync(trainer, rollout)
+    assert report.trainer_seconds is None  # it does not time itself; that is optional
+    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
+        trainer.reference.remote(PROMPTS, NEW_TOKENS)
+    )
