@@ -20,7 +20,7 @@ import torch
 from refit.engine.transfer_engine import BACKEND
 from refit.engine.worker_extension import WORKER_EXTENSION
 from refit.errors import EngineError, LifecycleError
-from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
+from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource, refuse_invalid_scales
 
 __all__ = ["EngineConfig", "EngineDescription", "Generation", "RolloutEngine"]
 
@@ -129,6 +129,7 @@ class RolloutEngine:
         """Load one bucket of checkpoint-format tensors. Must follow `begin_update`."""
         if not self._updating:
             raise LifecycleError("load: call begin_update first")
+        refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
         self._buckets_loaded += 1  # counted first: a bucket that failed half-way is partly loaded
         self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors)},))
 
@@ -173,7 +174,7 @@ class RolloutEngine:
             self._updating = False
             if self._buckets_loaded:
                 self._unservable = "the last update was abandoned half-way, so some layers hold old weights"
-            self.llm.collective_rpc("finish_weight_update")
+            self.llm.collective_rpc("refit_abandon_update")
 
     def served_version(self) -> int | None:
         return self.llm.collective_rpc("refit_served_version")[0]

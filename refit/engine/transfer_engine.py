@@ -10,7 +10,9 @@ backend does, and adds what refit needs on top:
 
 - provenance: which scales each sync streamed, from the parameter names
   `load_weights` reports as loaded (not from what the trainer claims);
-- refusal before loading of streamed scales that are not positive and finite.
+- `abandon`: closing a failed update so every layer is whole again (vLLM's
+  worker drops its session flag on an error but leaves the layers in their
+  loadable, half-filled form).
 
 Registered by name ("refit") from a `vllm.general_plugins` entry point, so
 every vLLM process knows it; engines opt in with
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from refit.engine.compat import incompatible_vllm, require_vllm_release
-from refit.errors import EngineError, InvalidTensorError, LifecycleError
+from refit.errors import EngineError, LifecycleError
 
 try:
     from vllm.distributed.weight_transfer.base import (
@@ -72,6 +74,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.amax_recorder: AttentionAmaxRecorder | None = None  # set during a KV-scale recompute
         self._update_version: int | None = None
         self._loaded: set[str] = set()
+        self._reload_open = False
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         pass
@@ -79,6 +82,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def start_weight_update(self) -> None:
         """Put every layer in loadable form; buffers incoming tensors per layer."""
         initialize_layerwise_reload(self.model)
+        self._reload_open = True
         self._update_version = None
         self._loaded = set()
 
@@ -95,7 +99,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 f"{self._update_version}; finish or abandon that update first"
             )
         self._update_version = update_info.version
-        _refuse_invalid_scales(update_info.tensors)
         self._loaded |= set(self.model.load_weights(update_info.tensors))
 
     def finish_weight_update(self) -> None:
@@ -105,23 +108,26 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         finalizing puts every layer's original tensors back: the model is
         exactly what it was, and still serves its old version.
         """
-        finalize_layerwise_reload(self.model, self.model_config)
+        self._finalize()
         if self._update_version is None:
             return
         self.provenance.record_streamed(self._loaded, self._update_version)
         self.served_version = self._update_version
 
+    def abandon(self) -> None:
+        """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
+        if self._reload_open:
+            self._finalize()
+        if self._update_version is not None:
+            # What was loaded is live: record it, so provenance stays true.
+            self.provenance.record_streamed(self._loaded, self._update_version)
+
+    def _finalize(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._reload_open = False
+
     def shutdown(self) -> None:
         pass
-
-
-def _refuse_invalid_scales(tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """A trainer that calibrates its own scales must send valid ones (checked before any load)."""
-    for name, tensor in tensors:
-        if name.endswith("_scale") and tensor.is_floating_point():
-            values = tensor.float()
-            if not bool(torch.isfinite(values).all() and (values > 0).all()):
-                raise InvalidTensorError(f"{name}: streamed scale holds non-positive or non-finite values")
 
 
 def register() -> None:

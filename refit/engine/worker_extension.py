@@ -30,6 +30,11 @@ class RefitWorkerExtension:
     def refit_parameter_names(self) -> list[str]:
         return [name for name, _ in self.model_runner.get_model().named_parameters()]
 
+    def refit_abandon_update(self) -> None:
+        """Close a failed update, whether or not vLLM's worker still counts it as active."""
+        self._refit().abandon()
+        self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
+
     def refit_served_version(self) -> int | None:
         return self._refit().served_version
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
+from refit.provenance import refuse_invalid_scales
 from refit.quantizer import quantize_fp8_block
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.transport.buckets import WireBucket, pack_bucket
@@ -77,7 +78,7 @@ def checkpoint_tensors(plan: TransferPlan, bucket: WireBucket) -> list[tuple[str
 def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> None:
     """All problems of all tensors, reported together; mismatches before bad values."""
     mismatched: list[str] = []
-    non_finite: list[str] = []
+    bad_values: list[str] = []
     for planned in plan.tensors:
         try:
             value = tensor(planned.source)
@@ -90,8 +91,13 @@ def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Non
                 f"{planned.shape} {planned.dtype}; the model changed since the plan was made, so make a new one"
             )
         elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            non_finite.append(f"{planned.source}: holds NaN or Inf")
+            bad_values.append(f"{planned.source}: holds NaN or Inf")
+        else:
+            try:
+                refuse_invalid_scales([(planned.target, value)])
+            except InvalidTensorError as error:
+                bad_values.append(str(error))
     if mismatched:
-        raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(mismatched + non_finite))
-    if non_finite:
-        raise InvalidTensorError("refusing to send any weight:\n  " + "\n  ".join(non_finite))
+        raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(mismatched + bad_values))
+    if bad_values:
+        raise InvalidTensorError("refusing to send any weight:\n  " + "\n  ".join(bad_values))

@@ -5,7 +5,7 @@
 - `kv_stage`: reset placeholders, recompute, or keep; never serve invalid scales.
 """
 
-from refit.provenance.kv_stage import AttentionAmaxRecorder, KvScalePolicy, apply_kv_scale_policy
+from refit.provenance.kv_stage import AttentionAmaxRecorder, KvScalePolicy, apply_kv_scale_policy, refuse_invalid_scales
 from refit.provenance.records import ScaleRecord, ScaleSource, format_table, to_json
 from refit.provenance.tracker import ScaleProvenanceTracker, checkpoint_tensor_names
 
@@ -18,5 +18,6 @@ __all__ = [
     "apply_kv_scale_policy",
     "checkpoint_tensor_names",
     "format_table",
+    "refuse_invalid_scales",
     "to_json",
 ]

@@ -19,16 +19,22 @@ refused with the names of the layers, so it never reaches a kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
 import torch
 
-from refit.errors import EngineError
+from refit.errors import EngineError, InvalidTensorError
 from refit.provenance.records import UNINFORMED, ScaleSource
-from refit.provenance.tracker import ScaleProvenanceTracker, is_attention_layer
+from refit.provenance.tracker import ATTENTION_SCALES, ScaleProvenanceTracker, is_attention_layer
 
-__all__ = ["AttentionAmaxRecorder", "KvScalePolicy", "apply_kv_scale_policy", "write_attention_scale"]
+__all__ = [
+    "AttentionAmaxRecorder",
+    "KvScalePolicy",
+    "apply_kv_scale_policy",
+    "refuse_invalid_scales",
+    "write_attention_scale",
+]
 
 FP8_E4M3_MAX = 448.0
 
@@ -85,6 +91,22 @@ def apply_kv_scale_policy(
             + ". Use kv_scales='auto' or 'recompute', or stream valid scales from the trainer."
         )
     return written
+
+
+def refuse_invalid_scales(tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Streamed attention scales must be positive and finite; raise naming the first that is not.
+
+    Checked on the trainer before anything is sent, and again by the rollout
+    before a bucket is loaded, so an invalid scale never reaches the engine.
+    """
+    for name, tensor in tensors:
+        if name.rpartition(".")[2] in ATTENTION_SCALES and tensor.is_floating_point():
+            values = tensor.float()
+            if not bool(torch.isfinite(values).all() and (values > 0).all()):
+                raise InvalidTensorError(
+                    f"{name}: streamed scale holds non-positive or non-finite values "
+                    f"(min {float(values.min()):.4g}); fix the trainer's calibration"
+                )
 
 
 class AttentionAmaxRecorder:

@@ -114,6 +114,52 @@ def test_recompute_matches_amax_measured_on_the_trainers_model(seed_setup):
     assert after[("model.layers.0.self_attn.attn", "k_scale")].source is ScaleSource.CALIBRATED
 
 
+@ray.remote
+class CalibratingTrainer:
+    """A trainer that calibrates KV scales itself (NeMo-RL style) and streams them with the weights."""
+
+    def __init__(self, checkpoint: str, kv_scales: dict[str, float]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        self.tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        self.tensors.update({name: torch.tensor([v], dtype=torch.bfloat16) for name, v in kv_scales.items()})
+
+    def weight_metadata(self):
+        scales = [refit.TensorMeta(n, (1,), "bfloat16", ("Qwen3Attention", "Module"))
+                  for n in self.tensors if n.endswith(("k_scale", "v_scale"))]
+        return refit.describe_weights(self.model) + scales
+
+    def stream_buckets(self, plan):
+        yield from refit.produce_buckets(plan, self.tensors.__getitem__)
+
+
+def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup, module_actors):
+    _, rollout = seed_setup
+    streamed = {f"model.layers.{i}.self_attn.{s}": 0.0125 * (i + 1) for i in range(2) for s in ("k_scale", "v_scale")}
+    trainer = module_actors.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(model_dir(True, "bf16")), streamed))
+
+    report = refit.sync(trainer, rollout)
+
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for name, value in streamed.items():
+        layer, scale = name.split(".")[2], name.rsplit(".", 1)[1]
+        record = records[(f"model.layers.{layer}.self_attn.attn", scale)]
+        assert record.source is ScaleSource.REFIT and record.version == report.version
+        assert record.value == torch.tensor(value, dtype=torch.bfloat16).item()
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+    bad = {**streamed, "model.layers.1.self_attn.v_scale": -1.0}
+    liar = module_actors.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(model_dir(True, "bf16")), bad))
+    with pytest.raises(refit.InvalidTensorError, match=r"model\.layers\.1\.self_attn\.v_scale: streamed scale"):
+        refit.sync(liar, rollout)
+    # Refused on the trainer, before any bucket: the engine still serves the last good version.
+    assert ray.get(rollout.served_version.remote()) == report.version
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+
 def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_actors):
     checkpoint = load_file(str(model_dir(True, "fp8_block_kv") / "model.safetensors"))
     trainer = module_actors.trainer(model_dir(True, "bf16"))

@@ -117,3 +117,25 @@ def test_any_actor_with_the_weight_source_methods_can_be_synced(module_actors, r
     assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
         trainer.reference.remote(PROMPTS, NEW_TOKENS)
     )
+
+
+def test_a_trainer_whose_model_differs_from_the_rollouts_fails_and_the_next_good_sync_repairs(
+    module_actors, rollout, tmp_path
+):
+    """The engine's own loader rejects a shape mid-stream; refit closes the update cleanly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir(False, "bf16"))
+    config.intermediate_size = 384
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
+    wrong = module_actors.trainer(tmp_path / "other")
+    with pytest.raises(ray.exceptions.RayTaskError):
+        refit.sync(wrong, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
+    with pytest.raises(ray.exceptions.RayTaskError, match="abandoned half-way"):
+        ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS))
+
+    good = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=12)
+    refit.sync(good, rollout)
+    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
+        good.generate.remote(PROMPTS, NEW_TOKENS)
+    )
