@@ -39,7 +39,7 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
 
     config = json.loads((rollout / "config.json").read_text())
     text_config = config.get("text_config", config)
-    engine = EngineDescription(config.get("quantization_config"), bool(text_config.get("tie_word_embeddings")), frozenset())
+    engine = EngineDescription(config.get("quantization_config"), bool(text_config.get("tie_word_embeddings")))
     with torch.device("meta"):  # names, shapes and classes only: no weights are read
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer), dtype=torch.bfloat16)
     try:

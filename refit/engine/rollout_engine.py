@@ -66,7 +66,6 @@ class EngineDescription:
 
     quantization_config: dict[str, Any] | None
     tie_word_embeddings: bool
-    parameter_names: frozenset[str]  # vLLM's own names, for diagnostics
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +105,10 @@ class RolloutEngine:
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         quant = getattr(hf_config, "quantization_config", None)
-        names = self.llm.collective_rpc("refit_parameter_names")[0]
         return EngineDescription(
             quantization_config=dict(quant) if quant else None,
             tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
-            parameter_names=frozenset(names),
         )
-
-    @property
-    def updating(self) -> bool:
-        return self._updating
 
     def begin_update(self) -> None:
         """Must be called before `load`; puts every layer in loadable form."""

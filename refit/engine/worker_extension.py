@@ -27,9 +27,6 @@ class RefitWorkerExtension:
     def _refit(self) -> RefitWeightTransferEngine:
         return engine_of(self)
 
-    def refit_parameter_names(self) -> list[str]:
-        return [name for name, _ in self.model_runner.get_model().named_parameters()]
-
     def refit_abandon_update(self) -> None:
         """Close a failed update, whether or not vLLM's worker still counts it as active."""
         self._refit().abandon()

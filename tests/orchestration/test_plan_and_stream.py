@@ -21,7 +21,7 @@ from refit.testing import model_dir
 
 def engine(tied: bool, quantized: bool) -> EngineDescription:
     config = json.loads((model_dir(tied, "fp8_block") / "config.json").read_text())
-    return EngineDescription(config["quantization_config"] if quantized else None, tied, frozenset())
+    return EngineDescription(config["quantization_config"] if quantized else None, tied)
 
 
 def trainer_model(tied: bool) -> torch.nn.Module:
