@@ -19,6 +19,7 @@ test: env
 
 bench: env
 	$(PY) benchmarks/bench_quantizer.py
+	$(PY) benchmarks/bench_sync.py
 
 # Regenerates the committed model fixtures: trains the tiny models in the main
 # venv, then quantizes them with the real llmcompressor in its own venv.

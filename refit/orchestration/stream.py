@@ -15,6 +15,7 @@ import torch
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer import quantize_fp8_block
+from refit.quantizer.fp8_block import is_finite
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.transport.buckets import WireBucket, pack_bucket
 
@@ -90,7 +91,7 @@ def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Non
                 f"{planned.source}: {tuple(value.shape)} {value.dtype} does not match the plan's "
                 f"{planned.shape} {planned.dtype}; the model changed since the plan was made, so make a new one"
             )
-        elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        elif not is_finite(value):
             bad_values.append(f"{planned.source}: holds NaN or Inf")
         else:
             try:

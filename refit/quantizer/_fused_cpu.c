@@ -76,3 +76,13 @@ void refit_fp8_block_bf16(const uint16_t *w, uint8_t *codes, uint16_t *scales,
     }
   }
 }
+
+/* Whether every bf16 value is finite (its exponent is not all ones). Read-only
+ * and vectorized: a refit checks every trainer tensor before sending any, and
+ * torch.isfinite(t).all() writes a bool tensor as large as t to answer this. */
+int refit_bf16_all_finite(const uint16_t *x, long n, int threads) {
+  int bad = 0;
+#pragma omp parallel for reduction(| : bad) schedule(static) num_threads(threads)
+  for (long i = 0; i < n; i++) bad |= (x[i] & 0x7F80) == 0x7F80;
+  return !bad;
+}

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["bf16_to_fp8_codes", "handles", "quantize"]
+__all__ = ["all_finite", "bf16_to_fp8_codes", "handles", "quantize"]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -57,6 +57,16 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
         weight.data_ptr(), codes.data_ptr(), scale_bits.data_ptr(), rows, cols, bh, bw, torch.get_num_threads()
     )
     return codes.view(torch.float8_e4m3fn), scale_bits.view(torch.bfloat16)
+
+
+def all_finite(tensor: torch.Tensor) -> bool | None:
+    """Whether a CPU bf16 tensor holds no NaN/Inf, or None where this kernel does not apply."""
+    if not (tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16 and tensor.is_contiguous()):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    return bool(library.refit_bf16_all_finite(tensor.data_ptr(), tensor.numel(), torch.get_num_threads()))
 
 
 def bf16_to_fp8_codes(values: torch.Tensor) -> torch.Tensor:
@@ -92,4 +102,6 @@ def _library() -> ctypes.CDLL | None:
     library.refit_fp8_block_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4 + [ctypes.c_int]
     library.refit_bf16_to_fp8_e4m3.restype = None
     library.refit_bf16_to_fp8_e4m3.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    library.refit_bf16_all_finite.restype = ctypes.c_int
+    library.refit_bf16_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     return library

@@ -25,7 +25,7 @@ import torch
 
 from refit.errors import InvalidTensorError
 
-__all__ = ["FP8_E4M3_MAX", "SUPPORTED_DTYPES", "quantize_fp8_block", "dequantize_fp8_block"]
+__all__ = ["FP8_E4M3_MAX", "SUPPORTED_DTYPES", "dequantize_fp8_block", "is_finite", "quantize_fp8_block"]
 
 FP8_E4M3_MAX = 448.0
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,6 +57,16 @@ def quantize_fp8_block(
             "refusing to quantize it. Check the trainer step that produced this weight."
         )
     return q, scale
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """True if a tensor holds no NaN or Inf (non-float tensors always do)."""
+    if not tensor.is_floating_point():
+        return True
+    from refit.quantizer import _fused_cpu
+
+    fast = _fused_cpu.all_finite(tensor)
+    return fast if fast is not None else bool(torch.isfinite(tensor).all())
 
 
 def dequantize_fp8_block(

@@ -125,3 +125,17 @@ def test_bad_input_is_refused_with_the_tensor_name(tensor, message):
 def test_bad_block_structure_is_refused():
     with pytest.raises(InvalidTensorError, match="block structure"):
         quantize_fp8_block(torch.zeros(128, 128), (0, 128), name="w")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_is_finite_finds_one_bad_value_anywhere(dtype):
+    from refit.quantizer.fp8_block import is_finite
+
+    w = torch.randn(1000, 77).to(dtype)
+    assert is_finite(w)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        v = w.clone()
+        v[999, 76] = bad
+        assert not is_finite(v)
+        assert not is_finite(v.t())  # non-contiguous: the torch path
+    assert is_finite(torch.arange(5))
