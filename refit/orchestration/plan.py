@@ -101,7 +101,9 @@ def make_plan(
     planned: dict[str, PlannedTensor] = {}
     for target, source in targets:
         meta = by_name[source]
-        quantize = quantizer is not None and _quantized(quantizer, target, classes)
+        # A tied alias carries exactly its source's values (the reload breaks
+        # the tie, so both names must match), hence its source's form too.
+        quantize = quantizer is not None and quantizer.is_quantized(source)
         if quantize and len(meta.shape) != 2:
             problems.append(f"{target}: the rollout expects it FP8_BLOCK-quantized, but its shape is {meta.shape}, not 2-D")
         if quantize and getattr(torch, meta.dtype, None) not in SUPPORTED_DTYPES:
@@ -115,15 +117,6 @@ def make_plan(
         [planned[name] for group in layerwise_groups(list(planned)) for name in group], bucket_bytes, quantize_on
     )
     return TransferPlan(buckets, quantize_on)
-
-
-def _quantized(quantizer: Fp8BlockQuantizer, target: str, classes: dict) -> bool:
-    # An alias (lm_head tied to the embeddings) is decided by its own name:
-    # compressed-tensors configs list `lm_head` in `ignore`.
-    module = target.rpartition(".")[0]
-    if module not in classes:
-        return quantizer.scheme.quantizes(module, ())
-    return quantizer.is_quantized(target)
 
 
 def _embedding_name(by_name: dict[str, TensorMeta]) -> str:
