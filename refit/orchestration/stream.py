@@ -14,8 +14,7 @@ import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.provenance import refuse_invalid_scales
-from refit.quantizer import quantize_fp8_block
-from refit.quantizer.fp8_block import is_finite
+from refit.quantizer.fp8_block import checkpoint_form, is_finite
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.transport.buckets import WireBucket, pack_bucket
 
@@ -50,12 +49,8 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
     for index, bucket in enumerate(plan.buckets):
         wire: list[tuple[str, torch.Tensor]] = []
         for planned in bucket:
-            value = tensor(planned.source).detach()
-            if planned.quantize and plan.quantize_on == "trainer":
-                q, scale = quantize_fp8_block(value, planned.block, name=planned.target)
-                wire += [(planned.target, q), (planned.target + "_scale", scale)]
-            else:
-                wire.append((planned.target, value))
+            block = planned.block if plan.quantize_on == "trainer" else None
+            wire += checkpoint_form(planned.target, tensor(planned.source).detach(), block)
         yield pack_bucket(index, wire)
 
 
@@ -67,12 +62,7 @@ def checkpoint_tensors(plan: TransferPlan, bucket: WireBucket) -> list[tuple[str
     planned = {t.target: t for t in plan.buckets[bucket.index]}
     out: list[tuple[str, torch.Tensor]] = []
     for name, value in tensors:
-        block = planned[name].block
-        if block is None:
-            out.append((name, value))
-        else:
-            q, scale = quantize_fp8_block(value, block, name=name)
-            out += [(name, q), (name + "_scale", scale)]
+        out += checkpoint_form(name, value, planned[name].block)
     return out
 
 

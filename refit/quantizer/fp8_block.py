@@ -25,7 +25,14 @@ import torch
 
 from refit.errors import InvalidTensorError
 
-__all__ = ["FP8_E4M3_MAX", "SUPPORTED_DTYPES", "dequantize_fp8_block", "is_finite", "quantize_fp8_block"]
+__all__ = [
+    "FP8_E4M3_MAX",
+    "SUPPORTED_DTYPES",
+    "checkpoint_form",
+    "dequantize_fp8_block",
+    "is_finite",
+    "quantize_fp8_block",
+]
 
 FP8_E4M3_MAX = 448.0
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,6 +64,16 @@ def quantize_fp8_block(
             "refusing to quantize it. Check the trainer step that produced this weight."
         )
     return q, scale
+
+
+def checkpoint_form(
+    name: str, weight: torch.Tensor, block: tuple[int, int] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors standing for `name`: itself, or FP8 `name` plus `name_scale`."""
+    if block is None:
+        return [(name, weight)]
+    q, scale = quantize_fp8_block(weight, block, name=name)
+    return [(name, q), (name + "_scale", scale)]
 
 
 def is_finite(tensor: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.quantizer.fp8_block import is_finite, quantize_fp8_block
+from refit.quantizer.fp8_block import checkpoint_form, is_finite
 from refit.quantizer.scheme import Fp8BlockScheme
 
 __all__ = ["Fp8BlockQuantizer"]
@@ -49,8 +49,7 @@ class Fp8BlockQuantizer:
         if not self.is_quantized(name):
             _check_finite(name, tensor)
             return [(name, tensor)]
-        q, scale = quantize_fp8_block(tensor, self.scheme.block, name=name)
-        return [(name, q), (name + "_scale", scale)]
+        return checkpoint_form(name, tensor, self.scheme.block)
 
     def __call__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
