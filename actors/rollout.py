@@ -77,7 +77,11 @@ class RolloutActor:
     def begin_update(self, plan: TransferPlan, version: int) -> None:
         """Pause serving (after in-flight requests finish), start the reload."""
         self._gate.close()
-        self.engine.begin_update()
+        try:
+            self.engine.begin_update()
+        except BaseException:
+            self._gate.open()
+            raise
         self._plan, self._version = plan, version
 
     @ray.method(concurrency_group="update")
@@ -93,8 +97,10 @@ class RolloutActor:
     ) -> tuple[float, list[str]]:
         """Finalize, run the post-refit stage, resume serving; returns (seconds, scales written)."""
         start = time.perf_counter()
-        written = self.engine.finish_update(kv_scales, calibration_prompts)
-        self._gate.open()
+        try:
+            written = self.engine.finish_update(kv_scales, calibration_prompts)
+        finally:
+            self._gate.open()  # if the stage refused, the engine itself refuses to generate
         return time.perf_counter() - start, written
 
     @ray.method(concurrency_group="update")

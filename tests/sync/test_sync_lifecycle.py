@@ -139,3 +139,28 @@ def test_a_trainer_whose_model_differs_from_the_rollouts_fails_and_the_next_good
     assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
         good.generate.remote(PROMPTS, NEW_TOKENS)
     )
+
+
+def test_requests_in_flight_finish_on_the_old_model_and_requests_during_an_update_wait_for_the_new(
+    module_actors, rollout
+):
+    old = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=21)
+    new = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=22)
+    refit.sync(old, rollout)
+    long_prompts = make_prompts(48, PROMPT_LEN, seed=5)
+    # The engine's own output on the old weights (48 greedy tokens of a random
+    # model drift from transformers' through near-ties; the engine is deterministic).
+    expected_old = ray.get(rollout.generate.remote(long_prompts, 48)).token_ids
+    expected_new = ray.get(new.generate.remote(PROMPTS, NEW_TOKENS))
+    assert expected_new != ray.get(old.generate.remote(PROMPTS, NEW_TOKENS))
+
+    in_flight = rollout.generate.remote(long_prompts, 48)
+    syncer = refit.Syncer(new, rollout)
+    syncer.plan()
+    ray.wait([in_flight], timeout=0.5)  # let the request start before the update is asked for
+    report = syncer.sync()
+    during = rollout.generate.remote(PROMPTS, NEW_TOKENS)
+
+    assert ray.get(in_flight).token_ids == expected_old  # never mixed with the new weights
+    assert ray.get(during).token_ids == expected_new
+    assert report.replicas[0].served_version == report.version
