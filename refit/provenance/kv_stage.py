@@ -25,6 +25,7 @@ from enum import StrEnum
 import torch
 
 from refit.errors import EngineError, InvalidTensorError
+from refit.quantizer.fp8_block import FP8_E4M3_MAX
 from refit.provenance.records import UNINFORMED, ScaleSource
 from refit.provenance.tracker import ATTENTION_SCALES, ScaleProvenanceTracker, is_attention_layer
 
@@ -35,8 +36,6 @@ __all__ = [
     "refuse_invalid_scales",
     "write_attention_scale",
 ]
-
-FP8_E4M3_MAX = 448.0
 
 
 class KvScalePolicy(StrEnum):
