@@ -41,7 +41,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _log = logging.getLogger(__name__)
 
 
-def handles(weight: torch.Tensor, block: tuple[int, int]) -> bool:
+def handles(weight: torch.Tensor) -> bool:
     """True where this kernel applies: bf16 on the CPU, with a C compiler at hand."""
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _library() is not None
 
@@ -61,12 +61,9 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 
 def all_finite(tensor: torch.Tensor) -> bool | None:
     """Whether a CPU bf16 tensor holds no NaN/Inf, or None where this kernel does not apply."""
-    if not (tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16 and tensor.is_contiguous()):
+    if not (handles(tensor) and tensor.is_contiguous()):
         return None
-    library = _library()
-    if library is None:
-        return None
-    return bool(library.refit_bf16_all_finite(tensor.data_ptr(), tensor.numel(), torch.get_num_threads()))
+    return bool(_library().refit_bf16_all_finite(tensor.data_ptr(), tensor.numel(), torch.get_num_threads()))
 
 
 def bf16_to_fp8_codes(values: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ def quantize_fp8_block(
     _check_quantizable(weight, block, name)
     from refit.quantizer import _fused_cpu
 
-    if _fused_cpu.handles(weight, block):
+    if _fused_cpu.handles(weight):
         q, scale = _fused_cpu.quantize(weight, block)
     else:
         q, scale = _quantize_with_torch(weight, block)
