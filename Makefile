@@ -2,8 +2,6 @@
 # what it needs first (scripts/setup_env.sh is idempotent and fast when
 # nothing changed).
 PY := .venv/bin/python
-export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: env demo test bench fixtures
@@ -15,6 +13,7 @@ demo: env
 	$(PY) examples/demo.py
 
 test: env
+	$(PY) -m ruff check .
 	$(PY) -m pytest tests
 
 bench: env
@@ -25,5 +24,5 @@ bench: env
 # venv, then quantizes them with the real llmcompressor in its own venv.
 fixtures: env
 	@scripts/setup_env.sh llmc
-	$(PY) fixtures/make_models.py
-	.venv-llmc/bin/python fixtures/quantize_with_llmcompressor.py
+	$(PY) -m fixtures.make_models
+	.venv-llmc/bin/python -m fixtures.quantize_with_llmcompressor

@@ -1,7 +1,8 @@
 """Ray actor classes for refit: a trainer (weight source) and a rollout (vLLM engine).
 
 Both are ordinary Ray actors an RL framework can create itself; `refit.Syncer`
-only relies on the documented methods (see `actors.trainer`).
+relies only on the methods of `refit.protocols.WeightSource` and
+`refit.protocols.RolloutReplica`.
 """
 
 from actors.rollout import RolloutActor

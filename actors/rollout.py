@@ -1,131 +1,152 @@
 """A rollout actor: one running vLLM engine that refit updates in place.
 
-Two concurrency groups keep serving and updating apart: "update" runs the
-update lifecycle strictly in submission order (one thread), "serve" runs
-generation. A gate between them pauses generation while an update runs:
-`begin_update` waits for in-flight requests to finish, then holds new ones
-until `finish_update` has finalized the reload and the KV-scale stage, so no
-request ever sees a half-updated model.
+Three concurrency groups keep the roles apart: "update" runs the update
+lifecycle in submission order (one thread), "serve" runs generation, and
+"observe" answers status questions without waiting for either. Which step
+may run when is decided by one `UpdateLifecycle` (refit/engine/lifecycle.py):
+an update waits for in-flight requests, holds new ones until it is finished
+or closed, and leaves the replica serving a whole version or refusing.
+
+A watchdog thread closes an update whose sync stopped calling (the driver
+died or was interrupted), so no replica is ever left paused.
 """
 
 from __future__ import annotations
 
-import os
-import resource
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import ray
 
-from refit.engine.rollout_engine import EngineConfig, EngineDescription, Generation, RolloutEngine
+from refit.engine.config import EngineConfig
+from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
+from refit.engine.rollout_engine import Generation, RolloutEngine
+from refit.errors import EngineError, SyncTimeoutError
+from refit.orchestration.config import SyncConfig
+from refit.orchestration.data_path import loadable_tensors
+from refit.orchestration.plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
-from refit.orchestration.plan import TransferPlan
-from refit.orchestration.stream import checkpoint_tensors
+from refit.tokens import token_prompts
 from refit.transport.buckets import WireBucket
 
 __all__ = ["RolloutActor"]
 
-
-class _ServingGate:
-    """Readers (requests) or one writer (an update), never both."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._requests = 0
-        self._updating = False
-
-    @contextmanager
-    def request(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
-            self._requests += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._requests -= 1
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._updating = True
-            self._cond.wait_for(lambda: self._requests == 0)
-
-    def open(self) -> None:
-        with self._cond:
-            self._updating = False
-            self._cond.notify_all()
+_WATCHDOG_PERIOD_S = 0.5
 
 
-@ray.remote(concurrency_groups={"update": 1, "serve": 1})
+@ray.remote(concurrency_groups={"update": 1, "serve": 1, "observe": 1})
 class RolloutActor:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = RolloutEngine(config)
-        self._gate = _ServingGate()
-        self._plan: TransferPlan | None = None
-        self._version: int | None = None
+        refusal = None
+        if config.load_format == "dummy":
+            refusal = "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
+        self._lifecycle = UpdateLifecycle(refusal=refusal)
+        self._update_lock = threading.Lock()  # update steps vs the watchdog
+        self._open: dict[str, tuple[TransferPlan, SyncConfig]] = {}
+        threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
 
-    @ray.method(concurrency_group="serve")
-    def describe(self) -> EngineDescription:
-        with self._gate.request():  # talks to the workers: never during an update
-            return self.engine.describe()
+    # -- observation ("observe": never waits for an update or a request) -----
+    @ray.method(concurrency_group="observe")
+    def describe(self) -> RolloutModelInfo:
+        return self.engine.model_info
 
-    # -- update lifecycle ("update" group: one thread, submission order) -------
+    @ray.method(concurrency_group="observe")
+    def status(self) -> ReplicaStatus:
+        return self._lifecycle.status()
+
+    @ray.method(concurrency_group="observe")
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    # -- update lifecycle ("update": one thread, submission order) ------------
     @ray.method(concurrency_group="update")
-    def begin_update(self, plan: TransferPlan, version: int) -> None:
-        """Pause serving (after in-flight requests finish), start the reload."""
-        self._gate.close()
+    def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        """Pause serving (after in-flight requests finish), start the reload; returns the lowest version accepted."""
+        if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids would fail only after every weight is loaded
+            token_prompts(config.calibration_prompts, vocab_size=self.engine.vocab_size, setting="calibration_prompts")
+        with self._update_lock:
+            version = self._lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
+            try:
+                self.engine.begin_update()
+            except BaseException as error:
+                self._close(sync_id, f"starting the reload failed: {error!r}")
+                raise
+            self._open = {sync_id: (plan, config)}
+            return version
+
+    @ray.method(concurrency_group="update")
+    def load_bucket(self, sync_id: str, version: int, bucket: WireBucket | list[ray.ObjectRef]) -> float:
+        """Fetch and load one bucket; returns seconds spent loading."""
+        with self._update_lock:
+            self._lifecycle.renew(sync_id, "load_bucket")
+            plan, config = self._open[sync_id]
+            bucket = _fetch(bucket, config.timeout_s)
+            self._lifecycle.loading(sync_id, version)
+            start = time.perf_counter()
+            self.engine.load(loadable_tensors(plan, bucket), version)
+            return time.perf_counter() - start
+
+    @ray.method(concurrency_group="update")
+    def finish_update(self, sync_id: str, version: int) -> tuple[float, list[str]]:
+        """Check completeness, finalize, run the post-refit stage, serve `version`; returns (seconds, scales written)."""
+        with self._update_lock:
+            self._lifecycle.renew(sync_id, "finish_update")
+            start = time.perf_counter()
+            _, config = self._open[sync_id]
+            self.engine.finish_update()  # refuses an incomplete update; the sync then aborts it
+            try:
+                written = self.engine.apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
+            except BaseException as error:
+                self._close(sync_id, f"the post-refit KV-scale stage failed: {error}", model_changed=True)
+                raise
+            self._open.clear()
+            self._lifecycle.finished(sync_id, version)
+            return time.perf_counter() - start, written
+
+    @ray.method(concurrency_group="update")
+    def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        """Close `sync_id`'s update if it is open; returns the status that leaves."""
+        with self._update_lock:
+            return self._close(sync_id, reason)
+
+    def _close(self, sync_id: str, reason: str, *, model_changed: bool | None = None) -> ReplicaStatus:
+        if self._lifecycle.open_update() != sync_id:
+            return self._lifecycle.status()
+        self._open.clear()
         try:
-            self.engine.begin_update()
-        except BaseException:
-            self._gate.open()
-            raise
-        self._plan, self._version = plan, version
+            self.engine.abandon_update()
+        except BaseException as error:  # layers may be left in loadable form: never serve them
+            reason, model_changed = f"{reason}; closing the reload failed too: {error!r}", True
+        return self._lifecycle.failed(sync_id, reason, model_changed=model_changed)
 
-    @ray.method(concurrency_group="update")
-    def load_bucket(self, bucket: WireBucket) -> float:
-        """Load one bucket; returns seconds spent (fetching happened before the call)."""
-        start = time.perf_counter()
-        self.engine.load(checkpoint_tensors(self._plan, bucket), self._version)
-        return time.perf_counter() - start
+    def _watch_leases(self) -> None:
+        while True:
+            time.sleep(_WATCHDOG_PERIOD_S)
+            if self._lifecycle.expired() is None:
+                continue
+            with self._update_lock:
+                expired = self._lifecycle.expired()  # a call may have renewed it meanwhile
+                if expired is not None:
+                    self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
 
-    @ray.method(concurrency_group="update")
-    def finish_update(
-        self, kv_scales: KvScalePolicy = KvScalePolicy.AUTO, calibration_prompts: Sequence[Sequence[int]] = ()
-    ) -> tuple[float, list[str]]:
-        """Finalize, run the post-refit stage, resume serving; returns (seconds, scales written)."""
-        start = time.perf_counter()
-        try:
-            written = self.engine.finish_update(kv_scales, calibration_prompts)
-        finally:
-            self._gate.open()  # if the stage refused, the engine itself refuses to generate
-        return time.perf_counter() - start, written
-
-    @ray.method(concurrency_group="update")
-    def abort_update(self) -> None:
-        """After a failed sync: close the update, refuse to serve until the next one succeeds."""
-        self.engine.abandon_update()
-        self._gate.open()
-
-    # -- serving ("serve" group) -------------------------------------------------
+    # -- serving ("serve") -------------------------------------------------------
     @ray.method(concurrency_group="serve")
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, prompt_logprobs: bool = False
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
+        temperature: float = 0.0, n: int = 1, seed: int | None = None,
     ) -> Generation:
-        with self._gate.request():
-            return self.engine.generate(prompts, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
-
-    # -- observation -------------------------------------------------------------
-    @ray.method(concurrency_group="serve")
-    def served_version(self) -> int | None:
-        with self._gate.request():
-            return self.engine.served_version()
+        """`n` continuations per token-id prompt; waits out an update, refuses while refusing."""
+        with self._lifecycle.request():
+            return self.engine.generate(
+                prompts, max_tokens, prompt_logprobs=prompt_logprobs, temperature=temperature, n=n, seed=seed
+            )
 
     @ray.method(concurrency_group="serve")
     def scale_records(self) -> list[ScaleRecord]:
-        with self._gate.request():
+        """Where every scale came from (also while refusing: that is when it matters most)."""
+        with self._lifecycle.request(allow_refusing=True):
             return self.engine.scale_records()
 
     @ray.method(concurrency_group="serve")
@@ -133,14 +154,16 @@ class RolloutActor:
         records = self.scale_records()
         return to_json(records) if as_json else format_table(records)
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
 
-    def max_rss_bytes(self) -> int:
-        """Peak resident memory of this process (Linux reports KiB)."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def rss_bytes(self) -> int:
-        """Current resident memory of this process."""
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _fetch(bucket: WireBucket | list[ray.ObjectRef], timeout_s: float) -> WireBucket:
+    """The bucket itself; through Ray it comes as `[ref]`, and a trainer failure is stored in that object."""
+    if isinstance(bucket, WireBucket):
+        return bucket
+    try:
+        return ray.get(bucket[0], timeout=timeout_s)
+    except ray.exceptions.RayTaskError as error:  # the trainer raised (a refused tensor, ...): its error, unwrapped
+        raise error.as_instanceof_cause() from None
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as error:
+        raise EngineError(f"the trainer died or lost its bucket while streaming: {type(error).__name__}") from error
+    except ray.exceptions.GetTimeoutError:
+        raise SyncTimeoutError(f"fetching a bucket from the trainer took over {timeout_s:.0f} s (SyncConfig.timeout_s)") from None

@@ -1,16 +1,10 @@
 """A trainer actor: a torch / transformers causal LM that takes optimizer steps
 and serves its weights to `refit.Syncer` as a weight source.
 
-The weight-source protocol a sync needs from any trainer actor is two methods:
-
-- `weight_metadata() -> list[refit.TensorMeta]` (no data; `refit.describe_weights`
-  builds it from a torch module);
-- `stream_buckets(plan) -> generator of refit.WireBucket`, called with
-  `num_returns="streaming"` (`refit.produce_buckets` implements it from a
-  `name -> tensor` lookup), plus optionally `last_stream_seconds() -> float`.
-
-Anything else here (training, reference generation) is for RL loops, demos
-and tests.
+It implements `refit.protocols.WeightSource` (`weight_metadata`,
+`stream_buckets`); any actor with those two methods can be synced, see that
+protocol. The rest is what an RL loop calls: a supervised step, a
+policy-gradient step, and greedy generation as a reference.
 """
 
 from __future__ import annotations
@@ -21,8 +15,8 @@ from collections.abc import Iterator, Sequence
 import ray
 import torch
 
+from refit.orchestration.data_path import describe_weights, produce_buckets
 from refit.orchestration.plan import TensorMeta, TransferPlan
-from refit.orchestration.stream import describe_weights, produce_buckets
 from refit.transport.buckets import WireBucket
 
 __all__ = ["TrainerActor"]
@@ -60,53 +54,48 @@ class TrainerActor:
             yield bucket
 
     def last_stream_seconds(self) -> float:
-        """Time spent checking, quantizing and packing in the last stream."""
+        """Time spent checking, quantizing and packing in the last stream (optional in the protocol)."""
         return self._stream_seconds
 
-    # -- training and references -----------------------------------------------
+    # -- training ----------------------------------------------------------------
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
         """One next-token-prediction step on `sequences`; returns the loss."""
         ids = torch.tensor(sequences)
         self.model.train()
-        loss = self.model(input_ids=ids, labels=ids).loss
+        return self._step(self.model(input_ids=ids, labels=ids).loss)
+
+    def policy_gradient_step(
+        self, sequences: Sequence[Sequence[int]], prompt_len: int, advantages: Sequence[float]
+    ) -> float:
+        """One policy-gradient step (GRPO-style): raise the log-likelihood of each completion by its advantage.
+
+        `sequences` are prompt + completion token ids (all of one length),
+        `advantages` one per sequence (e.g. reward minus its group's mean,
+        over the group's std). Returns the loss.
+        """
+        ids = torch.tensor(sequences)
+        weights = torch.tensor(advantages, dtype=torch.float32)
+        self.model.train()
+        logits = self.model(input_ids=ids).logits[:, prompt_len - 1 : -1].float()
+        logprobs = logits.log_softmax(-1).gather(2, ids[:, prompt_len:, None])[..., 0]
+        return self._step(-(weights[:, None] * logprobs).mean())
+
+    def _step(self, loss: torch.Tensor) -> float:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    def attention_amax(self, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
-        """q/k/v amax per layer as the KV cache sees them (a reference for KV-scale recompute)."""
-        from refit.testing.reference import attention_amax
-
-        return attention_amax(self.model, prompts)
-
-    def set_parameter(self, name: str, value: torch.Tensor) -> None:
-        """Overwrite one parameter (tests use it to inject bad values)."""
-        with torch.no_grad():
-            dict(self.model.named_parameters())[name].copy_(value)
-
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8) -> list[list[int]]:
-        """Greedy continuations, the reference a rollout must reproduce (prompts of any lengths)."""
-        from refit.testing import greedy_continuations
-
-        self.model.eval()
-        return [greedy_continuations(self.model, [prompt], max_new_tokens)[0] for prompt in prompts]
-
-    @torch.no_grad()
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
-        """log p(token_i | tokens_<i) for i >= 1, as vLLM's prompt_logprobs reports them."""
+        """Greedy continuations of the current policy, the reference a rollout should reproduce."""
         self.model.eval()
         out = []
         for prompt in prompts:
             ids = torch.tensor([list(prompt)])
-            logits = self.model(input_ids=ids).logits.float().log_softmax(-1)[0]
-            out.append(logits[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist())
+            generated = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, do_sample=False,
+            )
+            out.append(generated[0, ids.shape[1] :].tolist())
         return out
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def save(self, directory: str) -> None:
-        """Write the current weights as an HF checkpoint (for fresh-engine comparisons)."""
-        self.model.save_pretrained(directory)

@@ -49,7 +49,7 @@ def measure(workload: list[torch.Tensor], candidates: dict[str, Callable[[torch.
     """Median GB/s (bf16 bytes in) per candidate, repetitions interleaved."""
     nbytes = sum(t.numel() * t.element_size() for t in workload)
     seconds: dict[str, list[float]] = {name: [] for name in candidates}
-    for name, fn in candidates.items():  # warm-up: kernel build, allocator, threads
+    for fn in candidates.values():  # warm-up: kernel build, allocator, threads
         fn(workload[0])
     for _ in range(repeats):
         for name, fn in candidates.items():

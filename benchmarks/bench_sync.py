@@ -17,14 +17,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import ray
 import torch
 
 import refit
 from actors import RolloutActor, TrainerActor
+from fixtures import model_dir
+from fixtures.cluster import local_cluster
 from refit.engine.rollout_engine import EngineConfig
-from refit.testing import model_dir
-from refit.testing.cluster import local_cluster
+from tests.support.actors import rss_bytes, run_in
 
 
 def synthetic_checkpoints(root: Path, layers: int, hidden: int) -> tuple[Path, Path]:
@@ -67,12 +67,12 @@ def main() -> None:
         }
         for syncer in syncers.values():
             syncer.sync()  # warm-up: plan, kernel build, first-touch allocations
-        rss_before = ray.get(rollout.rss_bytes.remote())
+        rss_before = run_in(rollout, rss_bytes)
         seconds: dict[str, list[float]] = {name: [] for name in syncers}
         for _ in range(args.repeats):
             for name, syncer in syncers.items():
                 seconds[name].append(syncer.sync().total_seconds)
-        rss_growth = ray.get(rollout.rss_bytes.remote()) - rss_before
+        rss_growth = run_in(rollout, rss_bytes) - rss_before
         report = syncers["in flight 2 (overlap)"].sync()
 
         plan = syncers["in flight 2 (overlap)"].plan()

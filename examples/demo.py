@@ -19,9 +19,9 @@ import ray
 
 import refit
 from actors import RolloutActor, TrainerActor
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
+from fixtures.cluster import local_cluster
 from refit.engine.rollout_engine import EngineConfig
-from refit.testing import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
-from refit.testing.cluster import local_cluster
 
 
 def main() -> None:

@@ -7,8 +7,17 @@ KV-cache scales after each refit.
     report = refit.sync(trainer, rollouts)            # one-off
     syncer = refit.Syncer(trainer, rollouts, config)  # plans once, reuse per step
 
-Public names load on first use, so `import refit` does not import vLLM until
-something that needs it is touched (the quantizer alone needs only torch).
+Public names load on first use, and none of them imports vLLM except the
+engine side (`refit.engine.rollout_engine` and below), so trainer and driver
+processes need only torch and Ray.
+
+Words used throughout:
+- *trainer*: the weight source (`refit.protocols.WeightSource`);
+- *replica* / *rollout*: one vLLM engine refit updates (`refit.protocols.RolloutReplica`);
+- *engine*: the `vllm.LLM` inside a replica (`refit.engine.rollout_engine.RolloutEngine`);
+- *loadable form*: the tensors vLLM's loaders take for a weight (for FP8_BLOCK:
+  FP8 `weight` plus `weight_scale`, as an llmcompressor checkpoint holds them);
+- *checkpoint*: a model directory on disk, and nothing else.
 """
 
 from __future__ import annotations
@@ -17,11 +26,14 @@ import importlib
 from typing import Any
 
 from refit.errors import (
+    ConfigError,
     EngineError,
     InvalidTensorError,
     LifecycleError,
     PlanMismatchError,
     RefitError,
+    ReplicaRefusingError,
+    SyncTimeoutError,
     UnsupportedSchemeError,
 )
 
@@ -29,13 +41,19 @@ _LAZY = {
     "sync": "refit.orchestration",
     "Syncer": "refit.orchestration",
     "SyncConfig": "refit.orchestration",
+    "QuantizeOn": "refit.orchestration",
     "SyncReport": "refit.orchestration",
     "TensorMeta": "refit.orchestration",
     "TransferPlan": "refit.orchestration",
     "describe_weights": "refit.orchestration",
     "produce_buckets": "refit.orchestration",
     "WireBucket": "refit.transport.buckets",
-    "EngineConfig": "refit.engine.rollout_engine",
+    "RolloutModelInfo": "refit.orchestration",
+    "EngineConfig": "refit.engine.config",
+    "ReplicaStatus": "refit.engine.lifecycle",
+    "Phase": "refit.engine.lifecycle",
+    "WeightSource": "refit.protocols",
+    "RolloutReplica": "refit.protocols",
     "KvScalePolicy": "refit.provenance",
     "ScaleSource": "refit.provenance",
     "ScaleRecord": "refit.provenance",
@@ -45,11 +63,14 @@ _LAZY = {
 }
 
 __all__ = [
+    "ConfigError",
     "EngineError",
     "InvalidTensorError",
     "LifecycleError",
     "PlanMismatchError",
     "RefitError",
+    "ReplicaRefusingError",
+    "SyncTimeoutError",
     "UnsupportedSchemeError",
     *_LAZY,
 ]

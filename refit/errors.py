@@ -1,19 +1,25 @@
-"""Every exception refit raises on bad input, in one place.
+"""Every exception refit raises, in one place.
 
-Each message names the offending tensor or setting, what was expected, and
-what to do, so a failed refit can be fixed without reading refit's source.
-All of them derive from `RefitError`, so callers can catch one type.
+Each message names the offending tensor, setting or replica, what was
+expected, and what to do, so a failed refit can be fixed without reading
+refit's source. All of them derive from `RefitError`, so callers can catch
+one type; each also derives from the builtin a caller would expect
+(`ValueError` for bad input, `RuntimeError` for a failed step,
+`TimeoutError` for a missed deadline).
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "RefitError",
-    "InvalidTensorError",
-    "UnsupportedSchemeError",
-    "PlanMismatchError",
-    "LifecycleError",
+    "ConfigError",
     "EngineError",
+    "InvalidTensorError",
+    "LifecycleError",
+    "PlanMismatchError",
+    "RefitError",
+    "ReplicaRefusingError",
+    "SyncTimeoutError",
+    "UnsupportedSchemeError",
 ]
 
 
@@ -21,8 +27,12 @@ class RefitError(Exception):
     """Base class of refit's errors."""
 
 
+class ConfigError(RefitError, ValueError):
+    """A setting of `SyncConfig`, `EngineConfig` or the CLI is invalid."""
+
+
 class InvalidTensorError(RefitError, ValueError):
-    """A weight cannot be quantized or loaded as it is (NaN/Inf, dtype, rank)."""
+    """A weight or token id cannot be used as it is (NaN/Inf, dtype, rank, out of range)."""
 
 
 class UnsupportedSchemeError(RefitError, ValueError):
@@ -30,12 +40,20 @@ class UnsupportedSchemeError(RefitError, ValueError):
 
 
 class PlanMismatchError(RefitError, ValueError):
-    """A weight source's tensors no longer match the plan made for them."""
+    """A weight source's tensors do not match the plan made for them, or the rollout's weights."""
 
 
 class LifecycleError(RefitError, RuntimeError):
-    """A lifecycle step was called out of order."""
+    """An update lifecycle step was called out of order, or the replica is busy with another sync."""
+
+
+class ReplicaRefusingError(LifecycleError):
+    """The replica holds no whole, valid model (a failed update, placeholder scales) and will not serve."""
 
 
 class EngineError(RefitError, RuntimeError):
     """A rollout engine refused or failed an update."""
+
+
+class SyncTimeoutError(RefitError, TimeoutError):
+    """A remote call of a sync missed its deadline (a dead or hung trainer or replica)."""

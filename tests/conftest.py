@@ -4,25 +4,35 @@ Every Ray test shares it (starting a cluster costs ~15 s). Node i carries a
 custom resource `node<i>`, so a test can pin an actor to a node and then
 assert where it ran. Actors are created through the `actors_factory`
 fixture, which kills them when the test ends (a vLLM engine holds ~1 GB).
+
+Tests that start Ray or vLLM carry the `engine` marker (added here for every
+test that uses the cluster); `pytest -m "not engine"` is the fast tier.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from refit.testing.cluster import ENGINE_ENV
+from fixtures.cluster import QUIET_ENV
 
 NODES = 3
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if {"ray_cluster", "actors_factory", "module_actors"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[object]:
-    from refit.testing.cluster import local_cluster
+    from fixtures.cluster import local_cluster
 
-    with local_cluster(NODES) as cluster:
+    # Actors import `tests.support` for `__ray_call__` helpers: the repository root goes on their path.
+    with local_cluster(NODES, env={**QUIET_ENV, "PYTHONPATH": str(Path(__file__).parents[1])}) as cluster:
         yield cluster
 
 
@@ -39,12 +49,12 @@ class ActorFactory:
 
     def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, **engine_kwargs):
         from actors import RolloutActor
-        from refit.engine.rollout_engine import EngineConfig
+        from refit import EngineConfig
 
         config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
         options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
         if env:
-            options["runtime_env"] = {"env_vars": {**ENGINE_ENV, **env}}
+            options["runtime_env"] = {"env_vars": {**QUIET_ENV, **env}}
         return self.keep(RolloutActor.options(**options).remote(config))
 
     def keep(self, actor):
@@ -79,7 +89,7 @@ def module_actors(ray_cluster) -> Iterator[ActorFactory]:
 
 
 @pytest.fixture(autouse=True)
-def _engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process vLLM for tests that start an engine in the test process itself."""
-    for key, value in ENGINE_ENV.items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
+def _quiet_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quieter vLLM for tests that start an engine in the test process itself."""
+    for key, value in QUIET_ENV.items():
+        monkeypatch.setenv(key, value)

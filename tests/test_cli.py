@@ -3,8 +3,8 @@
 import json
 import shutil
 
+from fixtures import model_dir
 from refit.cli import main
-from refit.testing import model_dir
 
 
 def test_plan_lists_every_tensor_with_its_form(capsys):

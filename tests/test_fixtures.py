@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refit.testing import (
+from fixtures import (
     NEW_TOKENS,
     PROMPT_LEN,
     STEPS,
@@ -31,7 +31,7 @@ from refit.testing import (
     model_dir,
     tiny_qwen3_config,
 )
-from refit.testing import models as fixture_models
+from fixtures import models as fixture_models
 
 BLOCK = 128
 TIED = pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -92,12 +92,14 @@ def test_expected_continuation_and_accuracy() -> None:
 
 
 def test_import_is_light() -> None:
-    """The llmcompressor venv imports refit.testing, and has no (compatible) vLLM."""
+    """The llmcompressor venv imports the fixtures package, and has no (compatible) vLLM."""
     code = (
-        "import sys, refit.testing\n"
+        "import sys, fixtures\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'transformers'}))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
+    )
     assert result.stdout.strip() == "[]"
 
 

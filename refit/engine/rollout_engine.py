@@ -1,76 +1,40 @@
 """A running vLLM engine that refit can update in place.
 
 `RolloutEngine` owns one `vllm.LLM` started with refit's weight-transfer
-backend and drives the update lifecycle through `collective_rpc`, which
-reaches the model both in-process and in separate worker processes
-(tensor parallel > 1): `begin_update` -> `load` per bucket ->
-`finish_update` (reload finalized, then the post-refit KV-scale stage).
-It holds no Ray state; `actors.RolloutActor` wraps it for Ray.
+backend and drives each update step through `collective_rpc`, which reaches
+the model both in-process and in separate worker processes (tensor parallel
+> 1): `begin_update` -> `load` per bucket -> `finish_update` (completeness
+checked, reload finalized) -> `apply_kv_scales` (the post-refit stage), or
+`abandon_update`. Which step may run when is not its business: that is the
+replica's `UpdateLifecycle` (refit/engine/lifecycle.py). It holds no Ray
+state; `actors.RolloutActor` wraps it for Ray.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from refit.engine.transfer_engine import BACKEND
-from refit.engine.worker_extension import WORKER_EXTENSION
-from refit.errors import EngineError, LifecycleError
+from refit.engine.config import EngineConfig
+from refit.errors import EngineError
+from refit.orchestration.plan import RolloutModelInfo
 from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource, refuse_invalid_scales
+from refit.tokens import token_prompts
 
-__all__ = ["EngineConfig", "EngineDescription", "Generation", "RolloutEngine"]
+__all__ = ["Generation", "RolloutEngine"]
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    """How to start the vLLM engine; `extra` passes any other `vllm.LLM` keyword."""
-
-    model: str
-    load_format: str = "auto"
-    kv_cache_dtype: str = "auto"
-    dtype: str = "bfloat16"
-    max_model_len: int = 256
-    enforce_eager: bool = True
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        reserved = {"weight_transfer_config", "worker_extension_cls", "skip_tokenizer_init"} & set(self.extra)
-        if reserved:
-            raise ValueError(f"EngineConfig.extra may not set {sorted(reserved)}: refit sets them")
-        return {
-            "model": self.model,
-            "load_format": self.load_format,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "dtype": self.dtype,
-            "max_model_len": self.max_model_len,
-            "enforce_eager": self.enforce_eager,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "seed": self.seed,
-            # Rollouts exchange token ids with the trainer; no tokenizer needed.
-            "skip_tokenizer_init": True,
-            "weight_transfer_config": {"backend": BACKEND},
-            "worker_extension_cls": WORKER_EXTENSION,
-            **self.extra,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class EngineDescription:
-    """What a sync plan needs to know about the rollout model."""
-
-    quantization_config: dict[str, Any] | None
-    tie_word_embeddings: bool
+# What a CPU engine process needs beside its weights and KV cache (Python,
+# torch, vLLM, warm-up buffers): measured ~0.8 GiB for the tiny fixtures.
+_CPU_ENGINE_OVERHEAD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """Greedy (or sampled) continuations with their log-probabilities."""
+    """Continuations with their log-probabilities, `n` per prompt, prompt-major."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]  # of each generated token
@@ -89,125 +53,113 @@ class RolloutEngine:
                 "unset it or set it to 0 (tensor-parallel workers still run as separate processes)"
             )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # EngineConfig is the one place that sizes the KV cache; vLLM's legacy
+        # variable would silently override it.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            _refuse_if_it_cannot_fit(config)
         from vllm import LLM
 
         self.config = config
-        self.llm = LLM(**config.llm_kwargs())
-        self._updating = False
-        self._buckets_loaded = 0
-        # Why this engine must not serve, if it must not: after an abandoned
-        # update some layers hold new weights and some old, and after a refused
-        # KV-scale stage the scales are invalid. Serving either as if whole is
-        # the failure refit exists to prevent.
-        self._unservable: str | None = None
-
-    def describe(self) -> EngineDescription:
+        self.llm = LLM(**config.llm_kwargs(on_gpu=on_gpu))
         hf_config = self.llm.llm_engine.model_config.hf_config
-        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        quant = getattr(hf_config, "quantization_config", None)
-        return EngineDescription(
-            quantization_config=dict(quant) if quant else None,
-            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
-        )
+        self.model_info = RolloutModelInfo.from_hf_config(hf_config.to_dict())
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
 
     def begin_update(self) -> None:
-        """Must be called before `load`; puts every layer in loadable form."""
-        if self._updating:
-            raise LifecycleError("begin_update: an update is already in progress")
+        """Put every layer in loadable form."""
         self.llm.collective_rpc("start_weight_update")
-        self._updating = True
-        self._buckets_loaded = 0
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load one bucket of checkpoint-format tensors. Must follow `begin_update`."""
-        if not self._updating:
-            raise LifecycleError("load: call begin_update first")
+        """Load one bucket of tensors in the form vLLM's loaders take."""
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
-        self._buckets_loaded += 1  # counted first: a bucket that failed half-way is partly loaded
         self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors)},))
 
-    def finish_update(
-        self, kv_scales: KvScalePolicy, calibration_prompts: Sequence[Sequence[int]] = ()
-    ) -> list[str]:
-        """Finalize the reload, run the post-refit stage, drop stale prefix-cache entries.
-
-        Returns the attention scales the stage wrote ("module.scale").
-        """
-        if not self._updating:
-            raise LifecycleError("finish_update: call begin_update first")
+    def finish_update(self) -> None:
+        """Refuse an incomplete update (reload left open for `abandon_update`), else finalize it."""
         self.llm.collective_rpc("finish_weight_update")
-        self._updating = False
-        self._buckets_loaded = 0
-        self._unservable = "the post-refit KV-scale stage did not complete"
+
+    def apply_kv_scales(self, policy: KvScalePolicy, calibration_prompts: Sequence[Sequence[int]], version: int) -> list[str]:
+        """The post-refit stage; returns the attention scales written ("module.scale").
+
+        Then drops the prefix cache: cached prefixes hold K/V computed by the old weights.
+        """
         measured = None
-        if kv_scales is KvScalePolicy.RECOMPUTE:
-            if not calibration_prompts:
-                raise ValueError("kv_scales='recompute' needs calibration_prompts")
+        if policy is KvScalePolicy.RECOMPUTE:
             # The calibration pass itself runs through an FP8 KV cache, which
             # refuses dummy scales: make placeholders valid (1.0) first.
-            self.llm.collective_rpc("refit_apply_kv_policy", args=(str(KvScalePolicy.AUTO), None))
+            self.llm.collective_rpc("refit_apply_kv_policy", args=(str(KvScalePolicy.AUTO), version, None))
             self.llm.collective_rpc("refit_start_amax")
-            self._generate(calibration_prompts, max_tokens=1)
+            self.generate(calibration_prompts, max_tokens=1)
             # Tensor-parallel ranks see different heads: the amax is the max over ranks.
             measured = _max_over_ranks(self.llm.collective_rpc("refit_stop_amax"))
-        written = self.llm.collective_rpc("refit_apply_kv_policy", args=(str(kv_scales), measured))[0]
-        # Cached prefixes hold K/V computed by the old weights.
+        written = self.llm.collective_rpc("refit_apply_kv_policy", args=(str(policy), version, measured))[0]
         self.llm.reset_prefix_cache()
-        self._unservable = None
         return written
 
     def abandon_update(self) -> None:
-        """Close a failed update.
-
-        If no bucket was loaded, the old model is intact and keeps serving.
-        Otherwise some layers hold new weights and some old: generation is
-        refused until a later update completes.
-        """
-        if self._updating:
-            self._updating = False
-            if self._buckets_loaded:
-                self._unservable = "the last update was abandoned half-way, so some layers hold old weights"
-            self.llm.collective_rpc("refit_abandon_update")
-
-    def served_version(self) -> int | None:
-        return self.llm.collective_rpc("refit_served_version")[0]
+        """Close a failed update: layers that received nothing get their old tensors back."""
+        self.llm.collective_rpc("refit_abandon_update")
 
     def scale_records(self) -> list[ScaleRecord]:
         rows = self.llm.collective_rpc("refit_scale_records")[0]
         return [ScaleRecord(**{**row, "source": ScaleSource(row["source"])}) for row in rows]
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, prompt_logprobs: bool = False,
-        temperature: float = 0.0,
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
+        temperature: float = 0.0, n: int = 1, seed: int | None = None,
     ) -> Generation:
-        if self._updating:
-            raise LifecycleError("generate: an update is in progress; the model is half-loaded")
-        if self._unservable:
-            raise LifecycleError(f"generate: {self._unservable}; run a sync to completion before generating")
-        return self._generate(prompts, max_tokens, prompt_logprobs, temperature)
-
-    def _generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int, prompt_logprobs: bool = False,
-        temperature: float = 0.0,
-    ) -> Generation:
+        """`n` continuations per token-id prompt (greedy at temperature 0)."""
         from vllm import SamplingParams
 
+        checked = token_prompts(prompts, vocab_size=self.vocab_size)
         params = SamplingParams(
-            temperature=temperature, max_tokens=max_tokens, logprobs=0,
+            temperature=temperature, max_tokens=max_tokens, n=n, seed=seed, logprobs=0,
             prompt_logprobs=0 if prompt_logprobs else None, detokenize=False,
         )
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in checked], params, use_tqdm=False)
+        except BaseException:
+            self._abort_unfinished()
+            raise
         token_ids, logprobs, prompt_lps = [], [], []
         for out in outputs:
-            completion = out.outputs[0]
-            token_ids.append(list(completion.token_ids))
-            logprobs.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
-            if prompt_logprobs:
-                prompt_lps.append([
-                    None if step is None else step[tok].logprob
-                    for step, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
-                ])
+            for completion in out.outputs:
+                token_ids.append(list(completion.token_ids))
+                logprobs.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
+                if prompt_logprobs:
+                    prompt_lps.append([
+                        None if step is None else step[tok].logprob
+                        for step, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
+                    ])
         return Generation(token_ids, logprobs, prompt_lps if prompt_logprobs else None)
+
+    def _abort_unfinished(self) -> None:
+        # A request that raised inside the forward stays scheduled; left there,
+        # it holds its KV blocks and every later step runs it again.
+        engine = self.llm.llm_engine
+        unfinished = list(engine.output_processor.request_states)
+        if unfinished:
+            engine.abort_request(unfinished, internal=True)
+
+
+def _refuse_if_it_cannot_fit(config: EngineConfig) -> None:
+    """On a CPU, refuse an engine the node cannot hold, before vLLM starts (and aborts) it."""
+    import psutil
+
+    kv_bytes = config.kv_cache_bytes_on(False)
+    weights = sum(p.stat().st_size for p in Path(config.model).glob("*.safetensors"))
+    needed = kv_bytes + weights + _CPU_ENGINE_OVERHEAD_BYTES
+    available = psutil.virtual_memory().available
+    if needed > available:
+        gib = 2**30
+        raise EngineError(
+            f"this engine needs about {needed / gib:.1f} GiB (KV cache {kv_bytes / gib:.1f} GiB from "
+            f"EngineConfig.kv_cache_bytes, weights {weights / gib:.1f} GiB, engine {_CPU_ENGINE_OVERHEAD_BYTES / gib:.1f} GiB) "
+            f"but this node has {available / gib:.1f} GiB available; lower EngineConfig.kv_cache_bytes, "
+            "place the engine on another node, or stop another engine"
+        )
 
 
 def _max_over_ranks(per_rank: list[list[tuple[str, str, float]]]) -> list[tuple[str, str, float]]:

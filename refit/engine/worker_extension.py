@@ -13,42 +13,38 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from refit.engine.transfer_engine import RefitWeightTransferEngine, engine_of
+from refit.engine.transfer_backend import RefitTransferBackend, backend_of
 from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, apply_kv_scale_policy
 
-__all__ = ["WORKER_EXTENSION", "RefitWorkerExtension"]
-
-WORKER_EXTENSION = f"{__name__}.RefitWorkerExtension"
+__all__ = ["RefitWorkerExtension"]
 
 
 class RefitWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
 
-    def _refit(self) -> RefitWeightTransferEngine:
-        return engine_of(self)
+    def _refit(self) -> RefitTransferBackend:
+        return backend_of(self)
 
     def refit_abandon_update(self) -> None:
         """Close a failed update, whether or not vLLM's worker still counts it as active."""
         self._refit().abandon()
         self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
 
-    def refit_served_version(self) -> int | None:
-        return self._refit().served_version
-
     def refit_scale_records(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self._refit().provenance.records()]
 
     def refit_start_amax(self) -> None:
-        engine = self._refit()
-        engine.amax_recorder = AttentionAmaxRecorder(engine.model)
-        engine.amax_recorder.start()
+        backend = self._refit()
+        backend.amax_recorder = AttentionAmaxRecorder(backend.model)
+        backend.amax_recorder.start()
 
     def refit_stop_amax(self) -> list[tuple[str, str, float]]:
         amax = self._refit().amax_recorder.stop()
         return [(module, scale, value) for (module, scale), value in amax.items()]
 
-    def refit_apply_kv_policy(self, policy: str, measured: list[tuple[str, str, float]] | None) -> list[str]:
-        engine = self._refit()
-        version = engine.served_version if engine.served_version is not None else 0
+    def refit_apply_kv_policy(
+        self, policy: str, version: int, measured: list[tuple[str, str, float]] | None
+    ) -> list[str]:
+        backend = self._refit()
         amax = {(module, scale): value for module, scale, value in measured} if measured else None
-        return apply_kv_scale_policy(engine.model, engine.provenance, KvScalePolicy(policy), version, amax)
+        return apply_kv_scale_policy(backend.model, backend.provenance, KvScalePolicy(policy), version, amax)

@@ -5,23 +5,29 @@ by every sync: names, shapes, which tensors are FP8_BLOCK-quantized, the
 tied-embedding alias, and the bucket layout. The producer checks each tensor
 against it, so a trainer whose model changed shape is refused before any
 byte is sent.
+
+Trainer and driver processes import this module, so it must not import
+vLLM (5 s, and images without it). The one thing it would take from vLLM is
+the decoder-layer order of names (`layerwise_groups` in
+vllm/distributed/weight_transfer/base.py); `_layer_order` follows the same
+rule and tests/orchestration/test_layer_order.py checks it against vLLM's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import layerwise_groups
 
-from refit.engine.rollout_engine import EngineDescription
 from refit.errors import InvalidTensorError, PlanMismatchError
+from refit.orchestration.config import QuantizeOn, SyncConfig
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
-__all__ = ["PlannedTensor", "TensorMeta", "TransferPlan", "make_plan"]
+__all__ = ["PlannedTensor", "RolloutModelInfo", "TensorMeta", "TransferPlan", "make_plan", "module_classes"]
 
 _LM_HEAD = "lm_head.weight"
 
@@ -37,16 +43,36 @@ class TensorMeta:
     alias_of: str | None = None  # a tied parameter: same tensor as `alias_of`
 
 
+def module_classes(metas: Sequence[TensorMeta]) -> dict[str, tuple[str, ...]]:
+    """Module name -> its class names, the map `Fp8BlockQuantizer` matches `Linear`-style targets with."""
+    return {m.name.rpartition(".")[0]: m.module_classes for m in metas}
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutModelInfo:
+    """What a plan needs to know about the rollout's model, read from its HF config."""
+
+    quantization_config: dict[str, Any] | None
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> RolloutModelInfo:
+        """From a `config.json` as a dict; multimodal configs keep the text model's fields in `text_config`."""
+        text_config = config.get("text_config") or config
+        quantization = config.get("quantization_config")
+        return cls(dict(quantization) if quantization else None, bool(text_config.get("tie_word_embeddings", False)))
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    target: str  # the checkpoint name the rollout receives
+    target: str  # the name the rollout's loaders take (its checkpoint format)
     source: str  # the trainer parameter it is read from
     shape: tuple[int, ...]
     dtype: str
-    block: tuple[int, int] | None  # FP8_BLOCK block structure if quantized
+    block: tuple[int, int] | None  # FP8_BLOCK block structure if the rollout expects it quantized
 
     @property
-    def quantize(self) -> bool:
+    def is_quantized(self) -> bool:
         return self.block is not None
 
     @property
@@ -61,11 +87,14 @@ class PlannedTensor:
         (rows, cols), (bh, bw) = self.shape, self.block
         return math.prod(self.shape) + -(-rows // bh) * -(-cols // bw) * getattr(torch, self.dtype).itemsize
 
+    def wire_bytes(self, quantize_on: QuantizeOn) -> int:
+        return self.quantized_bytes if quantize_on is QuantizeOn.TRAINER else self.source_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
     buckets: tuple[tuple[PlannedTensor, ...], ...]
-    quantize_on: str  # "trainer" or "rollout"
+    quantize_on: QuantizeOn
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -74,28 +103,23 @@ class TransferPlan:
     @property
     def wire_bytes(self) -> int:
         """Bytes each replica fetches per sync."""
-        return sum(_wire_bytes(t, self.quantize_on) for t in self.tensors)
+        return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)
 
 
-def make_plan(
-    sources: Sequence[TensorMeta], engine: EngineDescription, *, bucket_bytes: int, quantize_on: str
-) -> TransferPlan:
-    """Plan a transfer of `sources` into a rollout described by `engine`.
+def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig) -> TransferPlan:
+    """Plan a transfer of `sources` into a rollout running `rollout_model`.
 
     Every problem found is reported at once, before anything runs.
     """
-    if quantize_on not in ("trainer", "rollout"):
-        raise ValueError(f"quantize_on={quantize_on!r}: expected 'trainer' or 'rollout'")
     by_name = {m.name: m for m in sources}
     targets = [(m.name, m.alias_of or m.name) for m in sources]
-    if engine.tie_word_embeddings and _LM_HEAD not in by_name:
+    if rollout_model.tie_word_embeddings and _LM_HEAD not in by_name:
         targets.append((_LM_HEAD, _embedding_name(by_name)))
 
-    classes = {m.name.rpartition(".")[0]: m.module_classes for m in sources}
     quantizer = None
-    if engine.quantization_config is not None:
-        scheme = Fp8BlockScheme.from_quantization_config(engine.quantization_config)
-        quantizer = Fp8BlockQuantizer(scheme, classes)
+    if rollout_model.quantization_config is not None:
+        scheme = Fp8BlockScheme.from_quantization_config(rollout_model.quantization_config)
+        quantizer = Fp8BlockQuantizer(scheme, module_classes(sources))
 
     problems: list[str] = []
     planned: dict[str, PlannedTensor] = {}
@@ -113,10 +137,33 @@ def make_plan(
     if problems:
         raise InvalidTensorError("cannot plan the transfer:\n  " + "\n  ".join(problems))
 
-    buckets = _pack(
-        [planned[name] for group in layerwise_groups(list(planned)) for name in group], bucket_bytes, quantize_on
-    )
-    return TransferPlan(buckets, quantize_on)
+    ordered = [planned[name] for name in _layer_order(list(planned))]
+    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on)
+
+
+def _layer_order(names: list[str]) -> list[str]:
+    """Names grouped by decoder layer, as vLLM's layerwise reload completes them.
+
+    A layer is keyed by the outermost integer segment of a name (so an
+    expert index inside a layer does not split it); names before the first
+    layer come first, all other un-indexed names (final norm, `lm_head`) last;
+    stacks in first-appearance order of their prefix, layers ascending.
+    """
+    pre: list[str] = []
+    post: list[str] = []
+    stacks: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if index is None:
+            (post if stacks else pre).append(name)
+            continue
+        stacks.setdefault((".".join(parts[:index]), int(parts[index])), []).append(name)
+    prefix_rank: dict[str, int] = {}
+    for prefix, _ in stacks:
+        prefix_rank.setdefault(prefix, len(prefix_rank))
+    ordered = sorted(stacks, key=lambda key: (prefix_rank[key[0]], key[1]))
+    return pre + [name for key in ordered for name in stacks[key]] + post
 
 
 def _embedding_name(by_name: dict[str, TensorMeta]) -> str:
@@ -130,20 +177,14 @@ def _embedding_name(by_name: dict[str, TensorMeta]) -> str:
     return candidates[0]
 
 
-def _wire_bytes(tensor: PlannedTensor, quantize_on: str) -> int:
-    return tensor.quantized_bytes if quantize_on == "trainer" else tensor.source_bytes
-
-
 def _pack(
-    tensors: list[PlannedTensor], bucket_bytes: int, quantize_on: str
+    tensors: list[PlannedTensor], bucket_bytes: int, quantize_on: QuantizeOn
 ) -> tuple[tuple[PlannedTensor, ...], ...]:
     """Greedy, order-preserving: a tensor larger than a bucket travels alone."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     buckets: list[list[PlannedTensor]] = []
     size = 0
     for t in tensors:
-        nbytes = _wire_bytes(t, quantize_on)
+        nbytes = t.wire_bytes(quantize_on)
         if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0

@@ -1,109 +1,103 @@
-"""`Syncer`: put a trainer's current weights into every rollout engine.
+"""`Syncer`: put a trainer's current weights into every rollout replica.
 
 The whole flow of one sync, top to bottom:
 
-1. plan (once, reused): trainer metadata + rollout model description ->
+1. plan (once, reused): trainer metadata + rollout model info ->
    `TransferPlan` (names, FP8_BLOCK decisions, tied alias, buckets);
-2. every replica pauses serving and starts a layerwise reload;
+2. every replica begins an update: it waits for in-flight requests, holds
+   new ones, starts a layerwise reload, and proposes the lowest version it
+   accepts; the sync's version is the highest proposal, so a version number
+   never names two different sets of weights;
 3. the trainer streams buckets (Ray streaming generator: each bucket is put
    once in the object store, and the trainer runs at most
    `max_buckets_in_flight` ahead); each bucket is handed to every replica as
-   soon as it exists, so quantizing bucket i+1 overlaps loading bucket i, and
-   Ray moves it to whichever node a replica lives on;
-4. every replica finalizes the reload, runs the post-refit KV-scale stage,
-   clears its prefix cache and resumes serving under the new version.
+   soon as it exists, so quantizing bucket i+1 overlaps loading bucket i;
+4. every replica checks that every weight was loaded, finalizes the reload,
+   runs the post-refit KV-scale stage, clears its prefix cache and serves
+   the new version.
 
-A failure anywhere after step 2 abandons the update on every replica: they
-refuse to serve (rather than serve a half-updated model) until a later sync
-completes. A retry always starts a fresh stream from the trainer.
+Every remote wait has a deadline (`SyncConfig.timeout_s`). On any failure,
+at any step, including a driver interrupt, the trainer's stream is closed
+and every replica's update is aborted: a replica that received nothing
+keeps serving its old version, one that did refuses to serve until a later
+sync completes. The error raised is the original cause, with each replica's
+resulting state attached as notes.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
-from refit.provenance import KvScalePolicy
-from refit.orchestration.plan import TransferPlan, make_plan
+from refit.errors import ConfigError, PlanMismatchError
+from refit.orchestration.calls import BucketStream, call_all, raise_first_error, submit_all, wait_all
+from refit.orchestration.config import SyncConfig
+from refit.orchestration.plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.orchestration.report import ReplicaReport, SyncReport
+from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 
-__all__ = ["SyncConfig", "Syncer", "sync"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SyncConfig:
-    bucket_bytes: int = 64 << 20
-    quantize_on: str = "trainer"  # or "rollout": send bf16, quantize in the rollout process
-    kv_scales: KvScalePolicy = KvScalePolicy.AUTO
-    calibration_prompts: tuple[tuple[int, ...], ...] = ()  # for kv_scales="recompute"
-    max_buckets_in_flight: int = 2
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.bucket_bytes <= 0:
-            problems.append(f"bucket_bytes={self.bucket_bytes}: must be positive")
-        if self.quantize_on not in ("trainer", "rollout"):
-            problems.append(f"quantize_on={self.quantize_on!r}: expected 'trainer' or 'rollout'")
-        if self.kv_scales not in tuple(KvScalePolicy):
-            problems.append(f"kv_scales={self.kv_scales!r}: expected one of {[p.value for p in KvScalePolicy]}")
-        if self.kv_scales == KvScalePolicy.RECOMPUTE and not self.calibration_prompts:
-            problems.append("kv_scales='recompute' needs calibration_prompts (token-id sequences)")
-        if self.max_buckets_in_flight < 1:
-            problems.append(f"max_buckets_in_flight={self.max_buckets_in_flight}: must be >= 1")
-        if problems:
-            raise ValueError("invalid SyncConfig:\n  " + "\n  ".join(problems))
+__all__ = ["Syncer", "sync"]
 
 
 class Syncer:
-    """Repeated syncs from one trainer actor to a fixed set of rollout actors."""
+    """Repeated syncs from one weight source to a fixed set of rollout replicas.
 
-    def __init__(self, trainer: Any, rollouts: Any | Sequence[Any], config: SyncConfig | None = None) -> None:
+    `trainer` and `rollouts` are Ray actor handles (or plain objects)
+    implementing `WeightSource` and `RolloutReplica`.
+    """
+
+    def __init__(
+        self, trainer: WeightSource, rollouts: RolloutReplica | Sequence[RolloutReplica], config: SyncConfig | None = None
+    ) -> None:
         self.trainer = trainer
         self.rollouts = list(rollouts) if isinstance(rollouts, (list, tuple)) else [rollouts]
         if not self.rollouts:
-            raise ValueError("Syncer needs at least one rollout actor")
+            raise ConfigError("Syncer needs at least one rollout replica")
+        if config is not None and not isinstance(config, SyncConfig):
+            raise ConfigError(f"config={config!r}: expected a refit.SyncConfig")
+        problems = [f"the trainer lacks {m}()" for m in missing_methods(trainer, WeightSource)]
+        for i, replica in enumerate(self.rollouts):
+            problems += [f"rollout {i} lacks {m}()" for m in missing_methods(replica, RolloutReplica)]
+        if problems:
+            raise ConfigError(
+                "these actors cannot be synced (see refit.protocols):\n  " + "\n  ".join(problems)
+            )
         self.config = config or SyncConfig()
+        self._replicas = [(f"rollout {i}", r) for i, r in enumerate(self.rollouts)]
         self._plan: TransferPlan | None = None
-        self._version: int | None = None
 
     def plan(self) -> TransferPlan:
         """The transfer plan, made on first use from both sides' metadata."""
         if self._plan is None:
-            descriptions = ray.get([r.describe.remote() for r in self.rollouts])
-            _check_same_model(descriptions)
-            self._plan = make_plan(
-                ray.get(self.trainer.weight_metadata.remote()), descriptions[0],
-                bucket_bytes=self.config.bucket_bytes, quantize_on=self.config.quantize_on,
-            )
+            timeout = self.config.timeout_s
+            infos = raise_first_error(call_all(self._replicas, "describe", timeout_s=timeout))
+            _check_same_model(infos)
+            (metadata,) = raise_first_error(call_all([("the trainer", self.trainer)], "weight_metadata", timeout_s=timeout))
+            self._plan = make_plan(metadata, infos[0], self.config)
         return self._plan
 
     def sync(self) -> SyncReport:
-        """Put the trainer's current weights into every rollout; see the module docstring."""
+        """Put the trainer's current weights into every replica; see the module docstring."""
         start = time.perf_counter()
         planned_before = self._plan is not None
         plan = self.plan()
         plan_seconds = 0.0 if planned_before else time.perf_counter() - start
-        version = self._next_version()
+        sync_id = uuid.uuid4().hex[:12]
+        timeout = self.config.timeout_s
 
-        ray.get([r.begin_update.remote(plan, version) for r in self.rollouts])
         try:
-            load_seconds = self._stream(plan)
-            finished = ray.get([
-                r.finish_update.remote(self.config.kv_scales, self.config.calibration_prompts)
-                for r in self.rollouts
-            ])
-        except BaseException:
-            ray.get([r.abort_update.remote() for r in self.rollouts])
+            proposals = raise_first_error(call_all(self._replicas, "begin_update", plan, sync_id, self.config, timeout_s=timeout))
+            version = max(proposals)
+            load_seconds = self._stream(plan, sync_id, version)
+            finished = raise_first_error(call_all(self._replicas, "finish_update", sync_id, version, timeout_s=timeout))
+        except BaseException as error:
+            self._abort(sync_id, error)
             raise
-        self._version = version
 
-        nodes = ray.get([r.node_id.remote() for r in self.rollouts])
-        served = ray.get([r.served_version.remote() for r in self.rollouts])
+        nodes = raise_first_error(call_all(self._replicas, "node_id", timeout_s=timeout))
         return SyncReport(
             version=version,
             tensors=len(plan.tensors),
@@ -113,61 +107,65 @@ class Syncer:
             trainer_seconds=self._trainer_seconds(),
             total_seconds=time.perf_counter() - start,
             replicas=tuple(
-                ReplicaReport(i, nodes[i], served[i], load_seconds[i], finished[i][0], tuple(finished[i][1]))
+                ReplicaReport(i, nodes[i], version, load_seconds[i], finished[i][0], tuple(finished[i][1]))
                 for i in range(len(self.rollouts))
             ),
         )
 
-    def _stream(self, plan: TransferPlan) -> list[float]:
-        """Hand each bucket to every replica as it is produced; bounded in flight."""
-        buckets = self.trainer.stream_buckets.options(
-            num_returns="streaming", _generator_backpressure_num_objects=self.config.max_buckets_in_flight
-        ).remote(plan)
-        in_flight: collections.deque[list[ray.ObjectRef]] = collections.deque()
+    def _stream(self, plan: TransferPlan, sync_id: str, version: int) -> list[float]:
+        """Hand each bucket to every replica as it is produced; bounded in flight, every wait bounded."""
+        timeout = self.config.timeout_s
+        in_flight: collections.deque[list[tuple[str, Any]]] = collections.deque()
         seconds = [0.0] * len(self.rollouts)
 
         def wait_oldest() -> None:
-            for replica, spent in enumerate(ray.get(in_flight.popleft())):
-                seconds[replica] += spent
+            spent = raise_first_error(wait_all(in_flight.popleft(), "load_bucket", timeout_s=timeout))
+            for replica, value in enumerate(spent):
+                seconds[replica] += value
 
-        count = 0
-        for bucket in buckets:
-            in_flight.append([r.load_bucket.remote(bucket) for r in self.rollouts])
-            count += 1
-            while len(in_flight) >= self.config.max_buckets_in_flight:
+        stream = BucketStream(self.trainer, plan, self.config.max_buckets_in_flight)
+        try:
+            count = 0
+            while (bucket := stream.next(timeout)) is not None:
+                in_flight.append(submit_all(self._replicas, "load_bucket", sync_id, version, bucket))
+                count += 1
+                while len(in_flight) >= self.config.max_buckets_in_flight:
+                    wait_oldest()
+            while in_flight:
                 wait_oldest()
-        while in_flight:
-            wait_oldest()
+        finally:
+            stream.close()
         if count != len(plan.buckets):
-            raise RuntimeError(f"the trainer streamed {count} buckets, the plan has {len(plan.buckets)}")
+            raise PlanMismatchError(f"the trainer streamed {count} buckets, the plan has {len(plan.buckets)}")
         return seconds
+
+    def _abort(self, sync_id: str, error: BaseException) -> None:
+        """Close the update on every replica (bounded); attach what each was left doing to `error`."""
+        reason = f"sync {sync_id} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        outcomes = call_all(self._replicas, "abort_update", sync_id, reason, timeout_s=self.config.timeout_s)
+        for outcome in outcomes:
+            state = outcome.value if outcome.ok else f"could not be reached to abort ({outcome.error!r})"
+            error.add_note(f"{outcome.who}: {state}")
 
     def _trainer_seconds(self) -> float | None:
         # Optional in the weight-source protocol: custom trainers may not time themselves.
-        try:
-            method = self.trainer.last_stream_seconds
-        except AttributeError:
+        if not has_method(self.trainer, "last_stream_seconds"):
             return None
-        return ray.get(method.remote())
-
-    def _next_version(self) -> int:
-        if self._version is None:
-            served = [v for v in ray.get([r.served_version.remote() for r in self.rollouts]) if v is not None]
-            self._version = max(served, default=0)
-        return self._version + 1
+        outcome = call_all([("the trainer", self.trainer)], "last_stream_seconds", timeout_s=self.config.timeout_s)[0]
+        return outcome.value if outcome.ok else None
 
 
-def sync(trainer: Any, rollouts: Any | Sequence[Any], config: SyncConfig | None = None) -> SyncReport:
+def sync(
+    trainer: WeightSource, rollouts: RolloutReplica | Sequence[RolloutReplica], config: SyncConfig | None = None
+) -> SyncReport:
     """One-off sync. For repeated syncs keep a `Syncer`: it plans once."""
     return Syncer(trainer, rollouts, config).sync()
 
 
-def _check_same_model(descriptions: list) -> None:
-    first = descriptions[0]
-    for i, d in enumerate(descriptions[1:], start=1):
-        if (d.quantization_config, d.tie_word_embeddings) != (first.quantization_config, first.tie_word_embeddings):
-            raise ValueError(
+def _check_same_model(infos: list[RolloutModelInfo]) -> None:
+    for i, info in enumerate(infos[1:], start=1):
+        if info != infos[0]:
+            raise ConfigError(
                 f"rollout {i} runs a differently configured model than rollout 0 "
                 "(quantization_config or tie_word_embeddings differ); use one Syncer per model"
             )
-

@@ -7,9 +7,10 @@
 
 from refit.provenance.kv_stage import AttentionAmaxRecorder, KvScalePolicy, apply_kv_scale_policy, refuse_invalid_scales
 from refit.provenance.records import ScaleRecord, ScaleSource, format_table, to_json
-from refit.provenance.tracker import ScaleProvenanceTracker, checkpoint_tensor_names
+from refit.provenance.tracker import ATTENTION_SCALES, ScaleProvenanceTracker, checkpoint_tensor_names
 
 __all__ = [
+    "ATTENTION_SCALES",
     "AttentionAmaxRecorder",
     "KvScalePolicy",
     "ScaleProvenanceTracker",

@@ -25,9 +25,9 @@ from enum import StrEnum
 import torch
 
 from refit.errors import EngineError, InvalidTensorError
-from refit.quantizer.fp8_block import FP8_E4M3_MAX
 from refit.provenance.records import UNINFORMED, ScaleSource
 from refit.provenance.tracker import ATTENTION_SCALES, ScaleProvenanceTracker, is_attention_layer
+from refit.quantizer.fp8_block import FP8_E4M3_MAX
 
 __all__ = [
     "AttentionAmaxRecorder",

@@ -2,11 +2,11 @@
 
 - `fp8_block`: the math on one tensor (`quantize_fp8_block`).
 - `scheme`: which tensors are quantized, read from the rollout's config.
-- `stream`: a stream of `(name, tensor)` in, wire tensors out.
+- `model_quantizer`: per parameter name, quantize or pass through, as the rollout expects.
 """
 
 from refit.quantizer.fp8_block import FP8_E4M3_MAX, dequantize_fp8_block, quantize_fp8_block
+from refit.quantizer.model_quantizer import Fp8BlockQuantizer
 from refit.quantizer.scheme import Fp8BlockScheme
-from refit.quantizer.stream import Fp8BlockQuantizer
 
 __all__ = ["FP8_E4M3_MAX", "Fp8BlockQuantizer", "Fp8BlockScheme", "dequantize_fp8_block", "quantize_fp8_block"]

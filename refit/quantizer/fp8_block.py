@@ -28,7 +28,7 @@ from refit.errors import InvalidTensorError
 __all__ = [
     "FP8_E4M3_MAX",
     "SUPPORTED_DTYPES",
-    "checkpoint_form",
+    "loadable_form",
     "dequantize_fp8_block",
     "is_finite",
     "quantize_fp8_block",
@@ -66,10 +66,10 @@ def quantize_fp8_block(
     return q, scale
 
 
-def checkpoint_form(
+def loadable_form(
     name: str, weight: torch.Tensor, block: tuple[int, int] | None
 ) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors standing for `name`: itself, or FP8 `name` plus `name_scale`."""
+    """The tensors standing for `name` in the format vLLM's loaders take: itself, or FP8 `name` plus `name_scale`."""
     if block is None:
         return [(name, weight)]
     q, scale = quantize_fp8_block(weight, block, name=name)

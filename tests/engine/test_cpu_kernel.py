@@ -51,10 +51,12 @@ from vllm.platforms import PlatformEnum
 from vllm.platforms.interface import UnspecifiedPlatform
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from refit.engine import EXPECTED_VLLM_VERSION, RefitCpuFp8BlockKernel
-from refit.engine.cpu_kernel import register
+from fixtures import tiny_qwen3_config
+from refit.engine.compat import EXPECTED_VLLM_VERSION
+from refit.engine.cpu_kernel import RefitCpuFp8BlockKernel, register
 from refit.errors import EngineError, InvalidTensorError
-from refit.testing import tiny_qwen3_config
+
+pytestmark = pytest.mark.engine  # starts or imports vLLM
 
 BLOCK = 128
 MakeLayer = Callable[[int, int], ReplicatedLinear]

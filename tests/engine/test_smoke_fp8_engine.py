@@ -18,8 +18,10 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
 
-from refit.engine import RefitCpuFp8BlockKernel
-from refit.testing import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from refit.engine.cpu_kernel import RefitCpuFp8BlockKernel
+
+pytestmark = pytest.mark.engine  # starts or imports vLLM
 
 N_PROMPTS = 32
 

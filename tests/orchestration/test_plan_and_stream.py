@@ -12,16 +12,27 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from refit.engine.rollout_engine import EngineDescription
+from fixtures import model_dir
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.orchestration import TensorMeta, checkpoint_tensors, describe_weights, make_plan, produce_buckets
+from refit.orchestration import (
+    RolloutModelInfo,
+    SyncConfig,
+    TensorMeta,
+    describe_weights,
+    loadable_tensors,
+    make_plan,
+    produce_buckets,
+)
 from refit.quantizer import quantize_fp8_block
-from refit.testing import model_dir
 
 
-def engine(tied: bool, quantized: bool) -> EngineDescription:
-    config = json.loads((model_dir(tied, "fp8_block") / "config.json").read_text())
-    return EngineDescription(config["quantization_config"] if quantized else None, tied)
+def rollout_model(tied: bool, quantized: bool) -> RolloutModelInfo:
+    config = json.loads((model_dir(tied, "fp8_block" if quantized else "bf16") / "config.json").read_text())
+    return RolloutModelInfo.from_hf_config(config)
+
+
+def config(bucket_bytes: int, quantize_on: str = "trainer") -> SyncConfig:
+    return SyncConfig(bucket_bytes=bucket_bytes, quantize_on=quantize_on)
 
 
 def trainer_model(tied: bool) -> torch.nn.Module:
@@ -34,15 +45,15 @@ def lookup(model: torch.nn.Module):
 
 def test_plan_quantizes_exactly_the_linears_and_orders_buckets_by_layer():
     model = trainer_model(tied=True)
-    plan = make_plan(describe_weights(model), engine(True, True), bucket_bytes=200_000, quantize_on="trainer")
+    plan = make_plan(describe_weights(model), rollout_model(True, True), config(200_000))
     names = [t.target for t in plan.tensors]
     assert names[0] == "model.embed_tokens.weight"
     assert names.index("model.layers.0.mlp.down_proj.weight") < names.index("model.layers.1.self_attn.q_proj.weight")
     assert set(names[-2:]) == {"model.norm.weight", "lm_head.weight"}
-    quantized = {t.target for t in plan.tensors if t.quantize}
+    quantized = {t.target for t in plan.tensors if t.is_quantized}
     assert len(quantized) == 14 and all(n.endswith("_proj.weight") for n in quantized)
     head = next(t for t in plan.tensors if t.target == "lm_head.weight")
-    assert head.source == "model.embed_tokens.weight" and not head.quantize  # tied alias, ignored by config
+    assert head.source == "model.embed_tokens.weight" and not head.is_quantized  # tied alias, ignored by config
     for bucket in plan.buckets:  # bounded, except a tensor bigger than a bucket travels alone
         assert len(bucket) == 1 or sum(t.quantized_bytes for t in bucket) <= 200_000
     assert plan.wire_bytes < 0.6 * sum(t.source_bytes for t in plan.tensors)
@@ -50,23 +61,26 @@ def test_plan_quantizes_exactly_the_linears_and_orders_buckets_by_layer():
 
 def test_tied_engine_and_a_state_dict_without_lm_head_gets_the_alias():
     metas = [m for m in describe_weights(trainer_model(tied=True)) if m.name != "lm_head.weight"]
-    plan = make_plan(metas, engine(True, True), bucket_bytes=1 << 20, quantize_on="trainer")
+    plan = make_plan(metas, rollout_model(True, True), config(1 << 20))
     assert {t.target: t.source for t in plan.tensors}["lm_head.weight"] == "model.embed_tokens.weight"
 
 
 def test_a_quantized_target_that_is_not_2d_is_refused_at_plan_time():
     metas = describe_weights(trainer_model(tied=False))
-    bad = [TensorMeta(m.name, (m.shape[0] * m.shape[1],), m.dtype, m.module_classes) if m.name.endswith("up_proj.weight") else m for m in metas]
+    bad = [
+        TensorMeta(m.name, (m.shape[0] * m.shape[1],), m.dtype, m.module_classes) if m.name.endswith("up_proj.weight") else m
+        for m in metas
+    ]
     with pytest.raises(InvalidTensorError) as error:
-        make_plan(bad, engine(False, True), bucket_bytes=1 << 20, quantize_on="trainer")
+        make_plan(bad, rollout_model(False, True), config(1 << 20))
     assert "model.layers.0.mlp.up_proj.weight" in str(error.value) and "model.layers.1.mlp.up_proj.weight" in str(error.value)
 
 
 @pytest.mark.parametrize("quantize_on", ["trainer", "rollout"])
 def test_buckets_carry_what_the_quantizer_makes(quantize_on):
     model = trainer_model(tied=False)
-    plan = make_plan(describe_weights(model), engine(False, True), bucket_bytes=300_000, quantize_on=quantize_on)
-    received = dict(t for b in produce_buckets(plan, lookup(model)) for t in checkpoint_tensors(plan, b))
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(300_000, quantize_on))
+    received = dict(t for b in produce_buckets(plan, lookup(model)) for t in loadable_tensors(plan, b))
     q, s = quantize_fp8_block(model.model.layers[1].mlp.gate_proj.weight.detach())
     assert torch.equal(received["model.layers.1.mlp.gate_proj.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(received["model.layers.1.mlp.gate_proj.weight_scale"], s)
@@ -76,7 +90,7 @@ def test_buckets_carry_what_the_quantizer_makes(quantize_on):
 
 def test_a_changed_model_is_refused_before_any_bucket_with_every_mismatch_listed():
     model = trainer_model(tied=False)
-    plan = make_plan(describe_weights(model), engine(False, True), bucket_bytes=1 << 20, quantize_on="trainer")
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(1 << 20))
     params = dict(model.named_parameters())
     params["model.norm.weight"] = torch.zeros(128, dtype=torch.bfloat16)
     params["model.layers.0.self_attn.o_proj.weight"] = params["model.layers.0.self_attn.o_proj.weight"].float()
@@ -91,7 +105,7 @@ def test_a_changed_model_is_refused_before_any_bucket_with_every_mismatch_listed
 
 def test_non_finite_values_anywhere_are_refused_before_any_bucket():
     model = trainer_model(tied=False)
-    plan = make_plan(describe_weights(model), engine(False, True), bucket_bytes=1 << 20, quantize_on="trainer")
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(1 << 20))
     with torch.no_grad():
         model.model.layers[1].post_attention_layernorm.weight[5] = float("inf")
     with pytest.raises(InvalidTensorError, match=r"model\.layers\.1\.post_attention_layernorm\.weight: holds NaN or Inf"):

@@ -17,8 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 import refit
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit.provenance import KvScalePolicy, ScaleSource
-from refit.testing import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from tests.support.actors import attention_amax, prompt_logprobs, run_in
+
+pytestmark = pytest.mark.engine  # starts or imports vLLM
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=31)
 CALIBRATION = make_prompts(8, 24, seed=32)
@@ -44,7 +47,7 @@ def test_dummy_scales_make_plain_vllm_fail_after_a_refit():
         weights = list(load_file(str(model_dir(True, "fp8_block") / "model.safetensors")).items())
         weights.append(("lm_head.weight", dict(weights)["model.embed_tokens.weight"]))
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        scales = llm.apply_model(lambda m: [l._k_scale_float for n, l in m.named_modules() if n.endswith(".attn")])[0]
+        scales = llm.apply_model(lambda m: [layer._k_scale_float for n, layer in m.named_modules() if n.endswith(".attn")])[0]
         assert all(s == pytest.approx(-0.000942, abs=1e-6) for s in scales), scales
         with pytest.raises(Exception, match="k_scale must be positive"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2, temperature=0))
@@ -63,7 +66,7 @@ def test_keep_policy_refuses_to_serve_dummy_scales(seed_setup):
     trainer, rollout = seed_setup
     with pytest.raises(refit.EngineError, match=r"8 attention scale\(s\) are not positive.*self_attn\.attn\.q_scale=-0\.000942 \(dummy\)"):
         refit.sync(trainer, rollout, refit.SyncConfig(kv_scales=KvScalePolicy.KEEP))
-    with pytest.raises(ray.exceptions.RayTaskError, match="post-refit KV-scale stage did not complete"):
+    with pytest.raises(ray.exceptions.RayTaskError, match="refuses to serve: the post-refit KV-scale stage failed"):
         ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS))
 
 
@@ -87,7 +90,7 @@ def test_auto_policy_heals_the_seed_scenario(seed_setup):
     out = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
     assert accuracy(PROMPTS, out.token_ids) == 1.0
     assert out.token_ids == ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
-    reference = ray.get(trainer.prompt_logprobs.remote(PROMPTS))
+    reference = run_in(trainer, prompt_logprobs, PROMPTS)
     worst = max(abs(a - b) for got, ref in zip(out.prompt_logprobs, reference) for a, b in zip(got[1:], ref))
     assert worst < FP8_LOGPROB_TOLERANCE
 
@@ -97,7 +100,7 @@ def test_recompute_matches_amax_measured_on_the_trainers_model(seed_setup):
     config = refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE, calibration_prompts=tuple(map(tuple, CALIBRATION)))
     report = refit.sync(trainer, rollout, config)
 
-    expected = ray.get(trainer.attention_amax.remote(CALIBRATION))
+    expected = run_in(trainer, attention_amax, CALIBRATION)
     records = by_key(ray.get(rollout.scale_records.remote()))
     for layer in range(2):
         for scale in ("q_scale", "k_scale", "v_scale"):
@@ -156,7 +159,7 @@ def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup
     with pytest.raises(refit.InvalidTensorError, match=r"model\.layers\.1\.self_attn\.v_scale: streamed scale"):
         refit.sync(liar, rollout)
     # Refused on the trainer, before any bucket: the engine still serves the last good version.
-    assert ray.get(rollout.served_version.remote()) == report.version
+    assert ray.get(rollout.status.remote()).served_version == report.version
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
 
 

@@ -13,8 +13,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.quantization.utils.helpers import maybe_pad_tensor_for_block_quant
 
 from refit.errors import InvalidTensorError
-from refit.quantizer import dequantize_fp8_block, quantize_fp8_block
-from refit.quantizer import _fused_cpu
+from refit.quantizer import _fused_cpu, dequantize_fp8_block, quantize_fp8_block
 from refit.quantizer.fp8_block import _quantize_with_torch
 
 ARGS = preset_name_to_scheme("FP8_BLOCK", ["Linear"]).weights

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
+from fixtures import model_dir
 from refit.orchestration import describe_weights
-from refit.testing import model_dir
+from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

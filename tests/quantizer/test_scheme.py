@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from fixtures import model_dir
 from refit.errors import PlanMismatchError, UnsupportedSchemeError
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
-from refit.testing import model_dir
 
 LINEAR = ("Linear", "Module")
 

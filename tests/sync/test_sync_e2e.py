@@ -11,8 +11,9 @@ import pytest
 import ray
 
 import refit
-from refit.testing import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
-from refit.testing.checkpoints import write_fp8_block_checkpoint
+from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
+from tests.support.actors import node_id, prompt_logprobs, run_in, save
+from tests.support.checkpoints import write_fp8_block_checkpoint
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=11)
 
@@ -40,7 +41,7 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
     assert report.version == 1 and report.replicas[0].served_version == 1
     out = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
     assert out.token_ids == ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
-    reference = ray.get(trainer.prompt_logprobs.remote(PROMPTS))
+    reference = run_in(trainer, prompt_logprobs, PROMPTS)
     assert max_abs_diff([row[1:] for row in out.prompt_logprobs], reference) < 1e-2
 
 
@@ -56,12 +57,12 @@ def test_fp8_replicas_on_two_nodes_match_a_fresh_engine_on_the_same_weights(acto
 
     node_of = {i: n["NodeID"] for n in ray.nodes() if n["Alive"] for i in range(3) if f"node{i}" in n["Resources"]}
     assert len(set(node_of.values())) == 3
-    assert ray.get(trainer.node_id.remote()) == node_of[0]
+    assert run_in(trainer, node_id) == node_of[0]
     assert [r.node_id for r in report.replicas] == [node_of[1], node_of[2]]
     assert all(r.served_version == 1 for r in report.replicas)
     assert report.bytes_on_wire < 0.7 * sum(t.source_bytes for t in refit.Syncer(trainer, replicas).plan().tensors)
 
-    ray.get(trainer.save.remote(str(tmp_path / "bf16")))
+    run_in(trainer, save, str(tmp_path / "bf16"))
     fresh_dir = write_fp8_block_checkpoint(tmp_path / "bf16", tmp_path / "fp8", like=model_dir(True, "fp8_block"))
     fresh = actors_factory.rollout(fresh_dir, node=1, kv_cache_dtype="fp8_e4m3")
     expected = ray.get(fresh.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))

@@ -12,8 +12,9 @@ import ray
 import torch
 
 import refit
-from refit.errors import InvalidTensorError, LifecycleError
-from refit.testing import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
+from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
+from refit.errors import InvalidTensorError, ReplicaRefusingError
+from tests.support.actors import rss_bytes, run_in, set_parameter
 
 PROMPTS = make_prompts(4, PROMPT_LEN, seed=21)
 SYNCS = 20
@@ -39,7 +40,7 @@ def test_twenty_syncs_each_correct_with_flat_memory(trainer, rollout):
         assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
             trainer.generate.remote(PROMPTS, NEW_TOKENS)
         ), f"sync {step + 1} served something else than the trainer's model"
-        rss.append(ray.get(rollout.rss_bytes.remote()))
+        rss.append(run_in(rollout, rss_bytes))
     assert report.buckets > 1  # several buckets per sync, so a per-bucket leak would add up
     # After 5 warm-up syncs, 15 more may grow the rollout process by at most 4
     # syncs' worth of wire bytes (~11 MiB). Measured: 5-8 MiB of allocator and
@@ -52,18 +53,18 @@ def test_twenty_syncs_each_correct_with_flat_memory(trainer, rollout):
 
 def test_nan_in_a_weight_is_refused_and_the_served_model_is_untouched(trainer, rollout):
     before = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids
-    version = ray.get(rollout.served_version.remote())
+    version = ray.get(rollout.status.remote()).served_version
     name = "model.layers.1.mlp.down_proj.weight"
     poisoned = torch.zeros(256, 512, dtype=torch.bfloat16)
     poisoned[3, 7] = float("nan")
     bad = refit.Syncer(trainer, rollout)
     bad.plan()
-    ray.get(trainer.set_parameter.remote(name, poisoned))
+    run_in(trainer, set_parameter, name, poisoned)
 
     with pytest.raises(InvalidTensorError, match=name.replace(".", r"\.") + ": holds NaN or Inf"):
         bad.sync()
 
-    assert ray.get(rollout.served_version.remote()) == version
+    assert ray.get(rollout.status.remote()).served_version == version
     assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == before
 
 
@@ -72,13 +73,14 @@ def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(module
     syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
     plan = syncer.plan()
     first_bucket = next(iter(trainer.stream_buckets.options(num_returns="streaming").remote(plan)))
-    ray.get(rollout.begin_update.remote(plan, 999))
-    ray.get(rollout.load_bucket.remote(first_bucket))
-    ray.get(rollout.abort_update.remote())  # what Syncer does when a stream fails
+    version = ray.get(rollout.begin_update.remote(plan, "by-hand", refit.SyncConfig()))
+    ray.get(rollout.load_bucket.remote("by-hand", version, [first_bucket]))
+    status = ray.get(rollout.abort_update.remote("by-hand", "the test abandons it"))  # what Syncer does on a failure
+    assert status.phase is refit.Phase.REFUSING and status.reason == "the test abandons it"
 
-    with pytest.raises(ray.exceptions.RayTaskError, match="abandoned half-way") as error:
+    with pytest.raises(ray.exceptions.RayTaskError, match="refuses to serve: the test abandons it") as error:
         ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS))
-    assert isinstance(error.value.as_instanceof_cause(), LifecycleError)
+    assert isinstance(error.value.as_instanceof_cause(), ReplicaRefusingError)
 
     syncer.sync()
     assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
@@ -103,7 +105,7 @@ class MinimalTrainer:
         yield from refit.produce_buckets(plan, dict(self.model.named_parameters()).__getitem__)
 
     def reference(self, prompts, n):
-        from refit.testing import greedy_continuations
+        from fixtures import greedy_continuations
 
         return greedy_continuations(self.model, prompts, n)
 
@@ -131,7 +133,7 @@ def test_a_trainer_whose_model_differs_from_the_rollouts_fails_and_the_next_good
     wrong = module_actors.trainer(tmp_path / "other")
     with pytest.raises(ray.exceptions.RayTaskError):
         refit.sync(wrong, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
-    with pytest.raises(ray.exceptions.RayTaskError, match="abandoned half-way"):
+    with pytest.raises(ray.exceptions.RayTaskError, match="refuses to serve: sync [0-9a-f]+ failed"):
         ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS))
 
     good = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=12)

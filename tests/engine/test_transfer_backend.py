@@ -1,12 +1,16 @@
 """The "refit" weight-transfer backend's registration with vLLM."""
 
+from importlib.metadata import entry_points
+
 import pytest
 import vllm
-from importlib.metadata import entry_points
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from refit.engine.transfer_engine import BACKEND, RefitWeightTransferEngine, register
+from refit.engine.config import TRANSFER_BACKEND
+from refit.engine.transfer_backend import RefitTransferBackend, register
 from refit.errors import EngineError
+
+pytestmark = pytest.mark.engine  # starts or imports vLLM
 
 
 def test_registered_through_the_plugin_entry_point_idempotently():
@@ -14,7 +18,7 @@ def test_registered_through_the_plugin_entry_point_idempotently():
     assert plugins["refit_weight_transfer"].load() is register
     register()
     register()
-    assert WeightTransferEngineFactory._registry[BACKEND]() is RefitWeightTransferEngine
+    assert WeightTransferEngineFactory._registry[TRANSFER_BACKEND]() is RefitTransferBackend
 
 
 def test_another_vllm_release_is_refused_with_the_expected_version(monkeypatch):

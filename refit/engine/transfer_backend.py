@@ -10,6 +10,9 @@ backend does, and adds what refit needs on top:
 
 - provenance: which scales each sync streamed, from the parameter names
   `load_weights` reports as loaded (not from what the trainer claims);
+- completeness: an update that left any weight of the model unloaded is
+  refused before it is finalized (a trainer missing a layer would otherwise
+  leave a mix of old and new weights that matches neither model);
 - `abandon`: closing a failed update so every layer is whole again (vLLM's
   worker drops its session flag on an error but leaves the layers in their
   loadable, half-filled form).
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from refit.engine.compat import incompatible_vllm, require_vllm_release
+from refit.engine.config import TRANSFER_BACKEND
 from refit.errors import EngineError, LifecycleError
 
 try:
@@ -39,11 +43,9 @@ try:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
-from refit.provenance import AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
+from refit.provenance import ATTENTION_SCALES, AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
 
-__all__ = ["BACKEND", "RefitUpdateInfo", "RefitWeightTransferEngine", "register"]
-
-BACKEND = "refit"
+__all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
 
 
 @dataclass
@@ -59,7 +61,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
-class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
     supports_draft_weight_update = False
@@ -70,10 +72,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         load_format = str(vllm_config.load_config.load_format)
         names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(vllm_config.model_config.model)
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
-        self.served_version: int | None = None
         self.amax_recorder: AttentionAmaxRecorder | None = None  # set during a KV-scale recompute
         self._update_version: int | None = None
         self._loaded: set[str] = set()
+        self._expected: frozenset[str] = frozenset()
         self._reload_open = False
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
@@ -85,6 +87,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._reload_open = True
         self._update_version = None
         self._loaded = set()
+        # In loadable form every parameter is one `load_weights` can report;
+        # attention scales are the post-refit stage's, not the stream's.
+        self._expected = frozenset(
+            name for name, _ in self.model.named_parameters() if name.rpartition(".")[2] not in ATTENTION_SCALES
+        )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -102,17 +109,20 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._loaded |= set(self.model.load_weights(update_info.tensors))
 
     def finish_weight_update(self) -> None:
-        """Finalize layerwise reload (attention layers last), then record provenance.
+        """Refuse an incomplete update, else finalize layerwise reload (attention layers last) and record provenance.
 
-        With no bucket received (an update abandoned before its first bucket),
-        finalizing puts every layer's original tensors back: the model is
-        exactly what it was, and still serves its old version.
+        An incomplete update raises with the reload still open, so the caller's
+        `abandon` closes it and the replica refuses to serve.
         """
+        missing = sorted(self._expected - self._loaded)
+        if missing:
+            raise EngineError(
+                f"the update left {len(missing)} of the model's {len(self._expected)} weights unloaded, "
+                f"e.g. {missing[:6]}; the trainer's model lacks tensors the rollout's model has "
+                "(a different architecture or size?), so this replica will not serve the mix"
+            )
         self._finalize()
-        if self._update_version is None:
-            return
         self.provenance.record_streamed(self._loaded, self._update_version)
-        self.served_version = self._update_version
 
     def abandon(self) -> None:
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
@@ -134,17 +144,17 @@ def register() -> None:
     """`vllm.general_plugins` entry point: make the "refit" backend known in this process."""
     require_vllm_release("weight-transfer backend")
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, RefitWeightTransferEngine)
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, RefitTransferBackend)
     except ValueError:  # vLLM runs general plugins more than once per process
         pass
 
 
-def engine_of(worker: Any) -> RefitWeightTransferEngine:
+def backend_of(worker: Any) -> RefitTransferBackend:
     """The refit backend of a vLLM worker, or a clear error if it was started without it."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if not isinstance(engine, RefitWeightTransferEngine):
+    backend = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(backend, RefitTransferBackend):
         raise EngineError(
             "this vLLM engine was not started with weight_transfer_config={'backend': 'refit'}; "
-            "create it through refit (actors.RolloutActor or refit.engine.engine_kwargs())"
+            "start it through refit (actors.RolloutActor, or vllm.LLM(**EngineConfig(...).llm_kwargs(on_gpu=...)))"
         )
-    return engine
+    return backend

@@ -1,7 +1,7 @@
 """Both ends of a sync's data path: trainer tensors -> wire buckets -> engine tensors.
 
 `produce_buckets` runs in the trainer's process (any weight-source actor can
-call it), `checkpoint_tensors` in the rollout's. Where FP8_BLOCK quantization
+call it), `loadable_tensors` in the rollout's. Where FP8_BLOCK quantization
 happens is the plan's `quantize_on`: on the trainer by default, which halves
 the bytes every replica fetches.
 """
@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.provenance import refuse_invalid_scales
-from refit.quantizer.fp8_block import checkpoint_form, is_finite
+from refit.orchestration.config import QuantizeOn
 from refit.orchestration.plan import TensorMeta, TransferPlan
+from refit.provenance import refuse_invalid_scales
+from refit.quantizer.fp8_block import is_finite, loadable_form
 from refit.transport.buckets import WireBucket, pack_bucket
 
-__all__ = ["checkpoint_tensors", "describe_weights", "produce_buckets"]
+__all__ = ["describe_weights", "loadable_tensors", "produce_buckets"]
 
 
 def describe_weights(model: torch.nn.Module) -> list[TensorMeta]:
@@ -38,7 +39,7 @@ def describe_weights(model: torch.nn.Module) -> list[TensorMeta]:
 
 
 def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Iterator[WireBucket]:
-    """Yield the plan's buckets, each packed and (if `quantize_on="trainer"`) quantized.
+    """Yield the plan's buckets, each packed and (if `quantize_on` is the trainer) quantized.
 
     `tensor(name)` returns the trainer's current value of a parameter. Every
     tensor is checked against the plan (shape, dtype, NaN/Inf) before the
@@ -49,20 +50,20 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
     for index, bucket in enumerate(plan.buckets):
         wire: list[tuple[str, torch.Tensor]] = []
         for planned in bucket:
-            block = planned.block if plan.quantize_on == "trainer" else None
-            wire += checkpoint_form(planned.target, tensor(planned.source).detach(), block)
+            block = planned.block if plan.quantize_on is QuantizeOn.TRAINER else None
+            wire += loadable_form(planned.target, tensor(planned.source).detach(), block)
         yield pack_bucket(index, wire)
 
 
-def checkpoint_tensors(plan: TransferPlan, bucket: WireBucket) -> list[tuple[str, torch.Tensor]]:
-    """The bucket as the checkpoint-format tensors vLLM's loaders take."""
+def loadable_tensors(plan: TransferPlan, bucket: WireBucket) -> list[tuple[str, torch.Tensor]]:
+    """The bucket as the tensors vLLM's loaders take (quantized here if the plan says so)."""
     tensors = bucket.unpack()
-    if plan.quantize_on == "trainer":
+    if plan.quantize_on is QuantizeOn.TRAINER:
         return tensors
     planned = {t.target: t for t in plan.buckets[bucket.index]}
     out: list[tuple[str, torch.Tensor]] = []
     for name, value in tensors:
-        out += checkpoint_form(name, value, planned[name].block)
+        out += loadable_form(name, value, planned[name].block)
     return out
 
 

@@ -23,7 +23,7 @@ def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, lik
     """Quantize `bf16_dir` into `out_dir` with the quantization_config of checkpoint `like`."""
     from transformers import AutoModelForCausalLM
 
-    from refit.orchestration.stream import describe_weights
+    from refit.orchestration.data_path import describe_weights
 
     bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
     config = json.loads((bf16_dir / "config.json").read_text())

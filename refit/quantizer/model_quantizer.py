@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.quantizer.fp8_block import checkpoint_form, is_finite
+from refit.quantizer.fp8_block import is_finite, loadable_form
 from refit.quantizer.scheme import Fp8BlockScheme
 
 __all__ = ["Fp8BlockQuantizer"]
@@ -49,7 +49,7 @@ class Fp8BlockQuantizer:
         if not self.is_quantized(name):
             _check_finite(name, tensor)
             return [(name, tensor)]
-        return checkpoint_form(name, tensor, self.scheme.block)
+        return loadable_form(name, tensor, self.scheme.block)
 
     def __call__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:

@@ -1,0 +1,120 @@
+"""`EngineConfig`: how a rollout's vLLM engine starts, validated on construction.
+
+Importing this module does not import vLLM, so a driver or trainer can build
+configs without it. The engine's memory is part of the config because vLLM's
+own defaults assume one engine per device: on a GPU that is right, but on the
+CPU backend vLLM reserves `gpu_memory_utilization` (0.92) of the *whole
+machine's* memory for each engine, so a second engine, or a trainer beside
+one, does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from refit.errors import ConfigError
+
+__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION"]
+
+TRANSFER_BACKEND = "refit"
+"""The name refit's weight-transfer backend is registered under in vLLM (refit/engine/transfer_backend.py)."""
+
+WORKER_EXTENSION = "refit.engine.worker_extension.RefitWorkerExtension"
+"""Mixed into every vLLM worker; a dotted path so that naming it does not import vLLM."""
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+"""KV cache per engine on a CPU when `kv_cache_bytes` is None: 1 GiB holds ~30k tokens of a
+small model, and lets a trainer and two rollouts share a 24 GiB machine."""
+
+_SET_BY_REFIT = ("weight_transfer_config", "worker_extension_cls", "skip_tokenizer_init", "kv_cache_memory_bytes")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    model: str
+    """Local directory of the rollout's checkpoint (with `config.json`); only its config is read
+    when `load_format="dummy"`."""
+
+    load_format: Literal["auto", "dummy", "safetensors"] = "auto"
+    """`"dummy"` starts on placeholder weights: the replica refuses to serve until its first sync."""
+
+    kv_cache_dtype: str = "auto"
+    """vLLM's KV-cache dtype, e.g. `"fp8_e4m3"`."""
+
+    dtype: str = "bfloat16"
+    max_model_len: int = 256
+    enforce_eager: bool = True
+    """Eager execution; `kv_scales="recompute"` needs it (its hooks see only an eager forward)."""
+
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    kv_cache_bytes: int | None = None
+    """Memory for the KV cache. None: `DEFAULT_CPU_KV_CACHE_BYTES` on a CPU, and on a GPU vLLM's
+    own sizing from `memory_fraction`."""
+
+    memory_fraction: float | None = None
+    """Fraction of the device's memory the engine may use (vLLM's `gpu_memory_utilization`).
+    None: vLLM's default (0.92) on a GPU; unused on a CPU, where `kv_cache_bytes` sizes the cache."""
+
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Any other `vllm.LLM` keyword."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        model = Path(str(self.model))
+        if not (model / "config.json").is_file():
+            what = "does not exist" if not model.exists() else "has no config.json"
+            problems.append(f"model={str(self.model)!r} {what}: refit starts engines from a local checkpoint directory")
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            problems.append(f"load_format={self.load_format!r}: expected 'auto', 'dummy' or 'safetensors'")
+        for name in ("max_model_len", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r}: expected a positive int")
+        if self.kv_cache_bytes is not None and (
+            isinstance(self.kv_cache_bytes, bool) or not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1
+        ):
+            problems.append(f"kv_cache_bytes={self.kv_cache_bytes!r}: expected a positive int (bytes) or None")
+        if self.memory_fraction is not None and not (
+            isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1
+        ):
+            problems.append(f"memory_fraction={self.memory_fraction!r}: expected a number in (0, 1] or None")
+        reserved = sorted(set(_SET_BY_REFIT + ("gpu_memory_utilization",)) & set(self.extra))
+        if reserved:
+            problems.append(f"extra sets {reserved}: refit sets these (use kv_cache_bytes / memory_fraction)")
+        if problems:
+            raise ConfigError("invalid EngineConfig:\n  " + "\n  ".join(problems))
+
+    def kv_cache_bytes_on(self, on_gpu: bool) -> int | None:
+        """The KV-cache size the engine is given on this kind of device (None: vLLM sizes it)."""
+        if self.kv_cache_bytes is not None or on_gpu:
+            return self.kv_cache_bytes
+        return DEFAULT_CPU_KV_CACHE_BYTES
+
+    def llm_kwargs(self, *, on_gpu: bool) -> dict[str, Any]:
+        """Keywords for `vllm.LLM`."""
+        memory: dict[str, Any] = {}
+        if (kv_bytes := self.kv_cache_bytes_on(on_gpu)) is not None:
+            memory["kv_cache_memory_bytes"] = kv_bytes
+        if self.memory_fraction is not None:
+            memory["gpu_memory_utilization"] = self.memory_fraction
+        return {
+            "model": str(self.model),
+            "load_format": self.load_format,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "seed": self.seed,
+            # Rollouts exchange token ids with the trainer; no tokenizer needed.
+            "skip_tokenizer_init": True,
+            "weight_transfer_config": {"backend": TRANSFER_BACKEND},
+            "worker_extension_cls": WORKER_EXTENSION,
+            **memory,
+            **self.extra,
+        }

@@ -1,0 +1,193 @@
+"""One replica's update state machine, and the gate between serving and updating.
+
+Engine-agnostic and pure Python, so every transition is tested in
+milliseconds (tests/engine/test_lifecycle.py); `actors.RolloutActor` drives a
+real engine with it. The states:
+
+    SERVING(v)  --begin-->  UPDATING  --finished(v')-->  SERVING(v')
+    REFUSING    --begin-->  UPDATING  --failed-->        SERVING(v) if nothing was loaded
+                                                         and the replica was serving before,
+                                                         REFUSING(reason) otherwise
+
+Requests run only in SERVING. `begin` closes the gate to new requests and
+waits (bounded) for in-flight ones, so no request ever sees a half-updated
+model. Versions are the replica's: `begin` proposes one above anything it
+served or began, so a version number never names two sets of weights, and a
+failed update never advances the served version.
+
+An open update belongs to one sync (`sync_id`) and holds a lease renewed by
+each of its calls. Another sync's `begin` is refused while the lease is
+live; once it lapses (the driver died or was interrupted) the owner of this
+object closes the update (`expired`), so no replica is stranded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+
+from refit.errors import LifecycleError, ReplicaRefusingError, SyncTimeoutError
+
+__all__ = ["Phase", "ReplicaStatus", "UpdateLifecycle"]
+
+
+class Phase(StrEnum):
+    SERVING = "serving"
+    UPDATING = "updating"
+    REFUSING = "refusing"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    phase: Phase
+    served_version: int | None  # the version of the weights it serves (None: what it started with)
+    reason: str | None = None  # why it refuses, when it does
+    sync_id: str | None = None  # the sync whose update is open, when updating
+
+    def __str__(self) -> str:
+        version = "its initial weights" if self.served_version is None else f"v{self.served_version}"
+        if self.phase is Phase.SERVING:
+            return f"serving {version}"
+        if self.phase is Phase.UPDATING:
+            return f"updating (sync {self.sync_id})"
+        return f"refusing to serve: {self.reason}"
+
+
+@dataclass(slots=True)
+class _Update:
+    sync_id: str
+    proposed_version: int
+    lease_s: float
+    deadline: float
+    resume: ReplicaStatus  # where a failure with nothing loaded returns to
+    buckets_loaded: int = 0
+
+
+class UpdateLifecycle:
+    def __init__(self, *, refusal: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`refusal`: why the replica must not serve before its first update (e.g. a dummy load)."""
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._status = ReplicaStatus(Phase.REFUSING if refusal else Phase.SERVING, None, refusal)
+        self._update: _Update | None = None
+        self._highest_version = 0
+        self._requests = 0
+
+    def status(self) -> ReplicaStatus:
+        with self._cond:
+            return self._status
+
+    # -- serving -------------------------------------------------------------
+    @contextmanager
+    def request(self, *, allow_refusing: bool = False) -> Iterator[None]:
+        """Run a request on a whole model: waits out an update (bounded by its lease), refuses if refusing."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._status.phase is not Phase.UPDATING)
+            if self._status.phase is Phase.REFUSING and not allow_refusing:
+                raise ReplicaRefusingError(f"this replica refuses to serve: {self._status.reason}")
+            self._requests += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._requests -= 1
+                self._cond.notify_all()
+
+    # -- updating ------------------------------------------------------------
+    def begin(self, sync_id: str, *, lease_s: float, drain_timeout_s: float) -> int:
+        """Open an update for `sync_id`; returns the lowest version this replica accepts for it."""
+        with self._cond:
+            if self._update is not None:
+                other = self._update
+                raise LifecycleError(
+                    f"another sync ({other.sync_id}) is updating this replica and its last call was "
+                    f"{self._clock() - (other.deadline - other.lease_s):.1f} s ago; run one sync at a time "
+                    f"per replica (its update closes by itself after {other.lease_s:.0f} s without a call)"
+                )
+            resume = self._status
+            proposed = self._highest_version + 1
+            self._update = _Update(sync_id, proposed, lease_s, self._clock() + lease_s, resume)
+            self._status = ReplicaStatus(Phase.UPDATING, resume.served_version, None, sync_id)
+            if not self._cond.wait_for(lambda: self._requests == 0, timeout=drain_timeout_s):
+                self._update, self._status = None, resume
+                self._cond.notify_all()
+                raise SyncTimeoutError(
+                    f"{self._requests} request(s) still running after {drain_timeout_s:.0f} s; the update "
+                    "did not start and the replica keeps serving (raise SyncConfig.timeout_s for long requests)"
+                )
+            self._highest_version = proposed
+            return proposed
+
+    def loading(self, sync_id: str, version: int) -> None:
+        """Before a bucket is loaded: checks the caller owns the update, counts the bucket, renews the lease.
+
+        Counted before loading: a bucket that fails half-way has still changed the model.
+        """
+        with self._cond:
+            update = self._owned(sync_id, "load_bucket")
+            if version < update.proposed_version:
+                raise LifecycleError(
+                    f"load_bucket: version {version} is below {update.proposed_version}, the lowest this "
+                    "replica accepts (it has begun or served that number already)"
+                )
+            update.buckets_loaded += 1
+            update.deadline = self._clock() + update.lease_s
+            self._highest_version = max(self._highest_version, version)
+
+    def renew(self, sync_id: str, step: str) -> None:
+        with self._cond:
+            update = self._owned(sync_id, step)
+            update.deadline = self._clock() + update.lease_s
+
+    def finished(self, sync_id: str, version: int) -> None:
+        """The update is complete and valid: serve `version`."""
+        with self._cond:
+            self._owned(sync_id, "finish_update")
+            self._update = None
+            self._status = ReplicaStatus(Phase.SERVING, version)
+            self._highest_version = max(self._highest_version, version)
+            self._cond.notify_all()
+
+    def failed(self, sync_id: str, reason: str, *, model_changed: bool | None = None) -> ReplicaStatus:
+        """Close `sync_id`'s update after a failure (a no-op if it holds none); returns the new status.
+
+        `model_changed` overrides the bucket count (e.g. a failed post-refit
+        stage after a complete load has changed the model too).
+        """
+        with self._cond:
+            update = self._update
+            if update is None or update.sync_id != sync_id:
+                return self._status
+            changed = update.buckets_loaded > 0 if model_changed is None else model_changed
+            if changed or update.resume.phase is Phase.REFUSING:
+                why = reason if changed else update.resume.reason
+                self._status = ReplicaStatus(Phase.REFUSING, update.resume.served_version, why)
+            else:
+                self._status = update.resume
+            self._update = None
+            self._cond.notify_all()
+            return self._status
+
+    def open_update(self) -> str | None:
+        """The sync id of the open update, if any."""
+        with self._cond:
+            return self._update.sync_id if self._update else None
+
+    def expired(self) -> str | None:
+        """The sync id of an open update whose lease has lapsed, if any."""
+        with self._cond:
+            if self._update is not None and self._clock() > self._update.deadline:
+                return self._update.sync_id
+            return None
+
+    def _owned(self, sync_id: str, step: str) -> _Update:
+        update = self._update
+        if update is None:
+            raise LifecycleError(f"{step}: no update is open (it failed, was aborted or its lease lapsed); start a new sync")
+        if update.sync_id != sync_id:
+            raise LifecycleError(f"{step}: sync {sync_id} does not own the open update (sync {update.sync_id} does)")
+        return update

@@ -1,0 +1,166 @@
+"""Remote calls with deadlines, on Ray actor handles or plain objects.
+
+`Syncer` talks to its trainer and replicas only through this module, so
+that every wait has a deadline and every failure arrives as an outcome
+naming who failed, and so that the same flow runs on plain Python objects
+(a single process, or the fast test tier) without Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from refit.errors import SyncTimeoutError
+
+__all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "submit_all", "wait_all"]
+
+
+def is_actor(target: Any) -> bool:
+    try:
+        from ray.actor import ActorHandle
+    except ImportError:  # a single-process setup without Ray
+        return False
+    return isinstance(target, ActorHandle)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one remote call came to: a value or an error."""
+
+    who: str
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> list[tuple[str, Any]]:
+    """Start `method(*args)` on every `(name, target)`; plain objects run it now."""
+    return [
+        (who, getattr(target, method).remote(*args) if is_actor(target) else _call_inline(who, target, method, args))
+        for who, target in targets
+    ]
+
+
+def wait_all(pending: Sequence[tuple[str, Any]], method: str, *, timeout_s: float) -> list[Outcome]:
+    """Wait at most `timeout_s` for every submitted call.
+
+    Never raises for a failed call: each outcome carries its value or error
+    (a dead actor, an exception in the call, a missed deadline).
+    """
+    refs = [ref for _, ref in pending if not isinstance(ref, Outcome)]
+    if refs:
+        import ray
+
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return [ref if isinstance(ref, Outcome) else _resolve(who, method, ref, timeout_s) for who, ref in pending]
+
+
+def call_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any, timeout_s: float) -> list[Outcome]:
+    """`submit_all` then `wait_all`."""
+    return wait_all(submit_all(targets, method, *args), method, timeout_s=timeout_s)
+
+
+def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:
+    """The values, or the first error with every other outcome attached as a note."""
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        error = failed[0].error
+        for other in failed[1:]:
+            error.add_note(f"also: {other.who}: {other.error!r}")
+        raise error
+    return [o.value for o in outcomes]
+
+
+class BucketStream:
+    """The trainer's stream of buckets for one sync: each next bucket within a deadline, closed on every exit."""
+
+    def __init__(self, trainer: Any, plan: Any, max_in_flight: int) -> None:
+        self._actor = is_actor(trainer)
+        if self._actor:
+            self._gen = trainer.stream_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=max_in_flight
+            ).remote(plan)
+        else:
+            self._gen = iter(trainer.stream_buckets(plan))
+        self._done = False
+
+    def next(self, timeout_s: float) -> Any | None:
+        """The next bucket, or None at the end of the stream.
+
+        From an actor the bucket is a one-element list holding its object ref:
+        a nested ref is not fetched by the driver (which would pull every
+        bucket through its node) but by each replica. A failure inside the
+        trainer is stored in that object and raised by the replica's fetch.
+        """
+        if not self._actor:
+            bucket = next(self._gen, None)
+            self._done = bucket is None
+            return bucket
+        import ray
+
+        ready, _ = ray.wait([self._gen], timeout=timeout_s)
+        if not ready:
+            raise SyncTimeoutError(
+                f"the trainer produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); it is hung, "
+                "overloaded or its preflight is slower than the deadline"
+            )
+        try:
+            return [next(self._gen)]
+        except StopIteration:
+            self._done = True
+            return None
+
+    def close(self) -> None:
+        """Stop the trainer's generator (its `finally` runs) unless it already ended."""
+        if self._done:
+            return
+        self._done = True
+        if self._actor:
+            import ray
+
+            ray.cancel(self._gen)
+        else:
+            close = getattr(self._gen, "close", None)
+            if close is not None:
+                close()
+
+
+def _call_inline(who: str, target: Any, method: str, args: tuple) -> Outcome:
+    try:
+        return Outcome(who, getattr(target, method)(*args))
+    except Exception as error:  # a KeyboardInterrupt still propagates
+        return Outcome(who, error=error)
+
+
+def _resolve(who: str, method: str, ref: Any, timeout_s: float) -> Outcome:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        # Left to finish or fail on its own: a late answer to a sync that gave
+        # up is refused by the replica's lifecycle (the update is closed).
+        return Outcome(who, error=SyncTimeoutError(
+            f"{who}: {method} did not answer within {timeout_s:.0f} s (SyncConfig.timeout_s); "
+            "the actor is hung, overloaded or waiting for long requests"
+        ))
+    try:
+        return Outcome(who, ray.get(ref))
+    except ray.exceptions.RayTaskError as error:
+        return Outcome(who, error=error.as_instanceof_cause())
+    except ray.exceptions.RayActorError as error:
+        return Outcome(who, error=_dead(who, method, error))
+    except Exception as error:
+        return Outcome(who, error=error)
+
+
+def _dead(who: str, method: str, error: BaseException) -> BaseException:
+    from refit.errors import EngineError
+
+    dead = EngineError(f"{who} died or is unreachable ({method}): {type(error).__name__}")
+    dead.__cause__ = error
+    return dead

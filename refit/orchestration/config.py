@@ -1,0 +1,84 @@
+"""`SyncConfig`: how a sync runs, validated once, here.
+
+Every field is checked on construction and strings are accepted wherever an
+enum is (`quantize_on="rollout"`, `kv_scales="recompute"`), so a config that
+exists is a config that works: nothing downstream re-validates or compares
+strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from refit.errors import ConfigError, InvalidTensorError
+from refit.provenance.kv_stage import KvScalePolicy
+from refit.tokens import token_prompts
+
+__all__ = ["QuantizeOn", "SyncConfig", "coerce_enum"]
+
+
+class QuantizeOn(StrEnum):
+    """Where FP8_BLOCK quantization runs."""
+
+    TRAINER = "trainer"  # FP8 codes + scales on the wire: about half the bytes of bf16
+    ROLLOUT = "rollout"  # bf16 on the wire, quantized in the rollout process
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncConfig:
+    bucket_bytes: int = 64 << 20
+    """Upper bound of one bucket's wire bytes; a larger tensor travels alone."""
+
+    quantize_on: QuantizeOn = QuantizeOn.TRAINER
+    """Where FP8_BLOCK quantization runs (`"trainer"` or `"rollout"`)."""
+
+    kv_scales: KvScalePolicy = KvScalePolicy.AUTO
+    """Post-refit KV-scale policy: `"auto"` (reset placeholders to 1.0), `"recompute"`, `"keep"`."""
+
+    calibration_prompts: tuple[tuple[int, ...], ...] = ()
+    """Token-id prompts the `"recompute"` policy measures q/k/v on (required for it)."""
+
+    max_buckets_in_flight: int = 2
+    """How far the trainer may run ahead of the slowest replica, in buckets."""
+
+    timeout_s: float = 120.0
+    """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A replica or
+    trainer that dies or stops answering fails the sync, naming it, within this time; a replica
+    whose update gets no call for this long closes it by itself."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy)):
+            try:
+                object.__setattr__(self, name, coerce_enum(enum, getattr(self, name), name))
+            except ConfigError as error:
+                problems.append(str(error))
+        _check_positive_int(problems, "bucket_bytes", self.bucket_bytes)
+        _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            problems.append(f"timeout_s={self.timeout_s!r}: expected a positive number of seconds")
+        try:
+            prompts = token_prompts(self.calibration_prompts, setting="calibration_prompts")
+            object.__setattr__(self, "calibration_prompts", prompts)
+        except InvalidTensorError as error:
+            problems.append(str(error))
+        if self.kv_scales == KvScalePolicy.RECOMPUTE and not self.calibration_prompts:
+            problems.append("kv_scales='recompute' needs calibration_prompts (token-id sequences)")
+        if problems:
+            raise ConfigError("invalid SyncConfig:\n  " + "\n  ".join(problems))
+
+
+def coerce_enum(enum: type[StrEnum], value: Any, setting: str) -> Any:
+    """`value` as a member of `enum`, from the member or its string value."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ConfigError(f"{setting}={value!r}: expected one of {[m.value for m in enum]}") from None
+
+
+def _check_positive_int(problems: list[str], name: str, value: Any) -> None:
+    # bool is an int to Python, and "64MB" or 1.5 would fail far from here.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        problems.append(f"{name}={value!r}: expected a positive int, got {type(value).__name__}")

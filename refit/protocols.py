@@ -1,0 +1,113 @@
+"""What `Syncer` needs from each side, as types.
+
+Both protocols describe the methods of an *actor*: `Syncer` calls them as
+`handle.method.remote(...)` on Ray actor handles, or directly on plain
+objects that implement them (a single-process setup, or the fast test tier).
+They are structural (PEP 544): implement the methods, no import or
+subclassing needed, as with vLLM's `VLLMWeightSyncClient`.
+`actors.TrainerActor` and `actors.RolloutActor` are the ready-made ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from refit.engine.lifecycle import ReplicaStatus
+    from refit.orchestration.config import SyncConfig
+    from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan
+    from refit.transport.buckets import WireBucket
+
+__all__ = ["RolloutReplica", "WeightSource", "has_method", "missing_methods"]
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """A trainer: where a sync reads the policy's current weights.
+
+    Call order per sync: `weight_metadata` (once per `Syncer`, to plan), then
+    `stream_buckets(plan)` once per sync. A source must not import vLLM.
+    """
+
+    def weight_metadata(self) -> list[TensorMeta]:
+        """Every parameter's name, shape, dtype and module classes, no data (`refit.describe_weights`)."""
+        ...
+
+    def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
+        """A generator of the plan's buckets in plan order (`refit.produce_buckets`).
+
+        Called with Ray's `num_returns="streaming"`: the trainer runs at most
+        `max_buckets_in_flight` buckets ahead. The stream is closed (the
+        generator's `finally` runs) when a sync ends early. Checks every tensor
+        before the first bucket, so bad state sends nothing.
+        """
+        ...
+
+
+@runtime_checkable
+class RolloutReplica(Protocol):
+    """A rollout engine refit updates in place; its update lifecycle, in call order.
+
+    `begin_update` -> `load_bucket` per bucket -> `finish_update`, or
+    `abort_update` from any point. Every exit leaves the replica either
+    serving a whole, named version or refusing to serve with a reason.
+    """
+
+    def describe(self) -> RolloutModelInfo:
+        """The rollout model's quantization config and embedding tying. Never blocks on an update."""
+        ...
+
+    def status(self) -> ReplicaStatus:
+        """Phase (serving, updating, refusing), served version, refusal reason. Never blocks."""
+        ...
+
+    def node_id(self) -> str:
+        """The Ray node the replica runs on."""
+        ...
+
+    def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        """Pause serving (after in-flight requests), start a reload; returns the lowest version it accepts.
+
+        Refuses (naming the other sync) while another sync's update is open
+        and alive; an update that got no call for `config.timeout_s` is closed
+        by the replica itself.
+        """
+        ...
+
+    def load_bucket(self, sync_id: str, version: int, bucket: WireBucket | list) -> float:
+        """Load one bucket of update `version`; returns seconds spent loading.
+
+        Through Ray the bucket arrives as a one-element list holding its object
+        ref, which the replica fetches itself (see `refit.orchestration.calls.BucketStream`).
+        """
+        ...
+
+    def finish_update(self, sync_id: str, version: int) -> tuple[float, list[str]]:
+        """Check completeness, finalize, run the post-refit stage, serve `version`.
+
+        Returns (seconds, attention scales written). On failure the replica refuses to serve.
+        """
+        ...
+
+    def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        """Close `sync_id`'s update, if open; returns the status it leaves."""
+        ...
+
+
+def missing_methods(obj: object, protocol: type) -> list[str]:
+    """Methods of `protocol` that `obj` (a plain object or a Ray actor handle) lacks."""
+    names = [n for n in protocol.__dict__ if not n.startswith("_") and callable(getattr(protocol, n))]
+    return [n for n in names if not has_method(obj, n)]
+
+
+def has_method(obj: object, name: str) -> bool:
+    """Whether `obj` (a plain object or a Ray actor handle) has a method `name`."""
+    # A Ray actor handle raises AttributeError for a method its class lacks.
+    try:
+        getattr(obj, name)
+    except AttributeError:
+        return False
+    return True
+
+

@@ -1,0 +1,82 @@
+"""Configs are validated on construction, with the setting and its type named (no Ray, no vLLM)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refit import ConfigError, EngineConfig, QuantizeOn, SyncConfig
+from refit.provenance import KvScalePolicy
+
+REPO = Path(__file__).parents[2]
+MODEL = str(REPO / "fixtures/models/qwen3-tiny-tied/fp8_block")
+
+
+def test_policies_are_accepted_as_strings_or_enums_alike():
+    """Finding 4: kv_scales="recompute" as a string silently behaved like "auto"."""
+    config = SyncConfig(kv_scales="recompute", calibration_prompts=[[1, 2, 3]], quantize_on="rollout")
+    assert config.kv_scales is KvScalePolicy.RECOMPUTE and config.quantize_on is QuantizeOn.ROLLOUT
+    assert config.calibration_prompts == ((1, 2, 3),)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bucket_bytes": "64MB"}, "bucket_bytes='64MB': expected a positive int, got str"),
+    ({"bucket_bytes": None}, "bucket_bytes=None: expected a positive int"),
+    ({"bucket_bytes": 1.5}, "bucket_bytes=1.5: expected a positive int, got float"),
+    ({"bucket_bytes": 0}, "bucket_bytes=0"),
+    ({"quantize_on": "gpu"}, "quantize_on='gpu': expected one of ['trainer', 'rollout']"),
+    ({"kv_scales": "calibrate"}, "kv_scales='calibrate'"),
+    ({"kv_scales": "recompute"}, "needs calibration_prompts"),
+    ({"kv_scales": "recompute", "calibration_prompts": ((),)}, "calibration_prompts[0] is empty"),
+    ({"calibration_prompts": ["hello"]}, "expected a sequence of token ids, not text"),
+    ({"calibration_prompts": [[1, -2]]}, "token ids [-2]"),
+    ({"timeout_s": 0}, "timeout_s=0"),
+    ({"max_buckets_in_flight": 0}, "max_buckets_in_flight=0"),
+])
+def test_bad_sync_settings_are_named(kwargs, message):
+    with pytest.raises(ConfigError) as error:
+        SyncConfig(**kwargs)
+    assert message in str(error.value)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as error:
+        SyncConfig(bucket_bytes=-1, quantize_on="x", timeout_s=-1)
+    assert all(name in str(error.value) for name in ("bucket_bytes", "quantize_on", "timeout_s"))
+
+
+def test_engine_config_refuses_a_missing_model_directory_at_once(tmp_path):
+    """Found: a wrong path failed after ~10 s with Hugging Face's 'Repo id must be in the form'."""
+    with pytest.raises(ConfigError, match=r"model='/nonexistent/model' does not exist"):
+        EngineConfig(model="/nonexistent/model")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        EngineConfig(model=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"extra sets \['gpu_memory_utilization'\]"):
+        EngineConfig(model=MODEL, extra={"gpu_memory_utilization": 0.5})
+    with pytest.raises(ConfigError, match="memory_fraction=2"):
+        EngineConfig(model=MODEL, memory_fraction=2)
+
+
+def test_engine_memory_is_bounded_on_a_cpu_and_left_to_vllm_on_a_gpu():
+    config = EngineConfig(model=MODEL)
+    assert config.llm_kwargs(on_gpu=False)["kv_cache_memory_bytes"] == 1 << 30
+    assert "kv_cache_memory_bytes" not in config.llm_kwargs(on_gpu=True)
+    assert "gpu_memory_utilization" not in config.llm_kwargs(on_gpu=True)  # vLLM's own default
+    custom = EngineConfig(model=MODEL, kv_cache_bytes=256 << 20, memory_fraction=0.5)
+    assert custom.llm_kwargs(on_gpu=True)["kv_cache_memory_bytes"] == 256 << 20
+    assert custom.llm_kwargs(on_gpu=False)["gpu_memory_utilization"] == 0.5
+
+
+def test_a_trainer_process_does_not_import_vllm():
+    """What a trainer and a driver import (actors, the library's public names) leaves vLLM out."""
+    code = (
+        "import sys, refit, actors\n"
+        "from actors import TrainerActor, RolloutActor\n"
+        "from refit.orchestration import make_plan, produce_buckets, describe_weights, Syncer\n"
+        "from refit import EngineConfig, SyncConfig, Syncer, WeightSource, RolloutReplica, RolloutModelInfo\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout) == []

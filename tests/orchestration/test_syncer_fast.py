@@ -1,0 +1,202 @@
+"""`Syncer` against plain-Python replicas: aborts, versions, errors, streams (no Ray, no vLLM).
+
+The fake replica keeps the real `UpdateLifecycle` and loads into a dict, so
+what is tested is `Syncer`'s own flow; the same findings are tested on real
+Ray and vLLM in tests/sync/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit import ConfigError, EngineError, Phase, SyncConfig, Syncer
+from refit.engine.lifecycle import UpdateLifecycle
+from refit.orchestration import RolloutModelInfo, describe_weights, loadable_tensors, produce_buckets
+
+FP8_BLOCK = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "symmetric": True, "dynamic": False, "block_structure": [128, 128],
+    }}},
+    "ignore": ["lm_head"],
+}
+
+
+def tiny_decoder(layers: int = 3, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.embed_tokens = torch.nn.Embedding(64, 256)
+    root.model.layers = torch.nn.ModuleList()
+    for _ in range(layers):
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        block.mlp.down_proj = torch.nn.Linear(256, 256, bias=False)
+        root.model.layers.append(block)
+    root.model.norm = torch.nn.RMSNorm(256)
+    root.lm_head = torch.nn.Linear(256, 64, bias=False)
+    return root.to(torch.bfloat16)
+
+
+class FakeTrainer:
+    def __init__(self, model: torch.nn.Module, fail_at_bucket: int | None = None) -> None:
+        self.model = model
+        self.fail_at_bucket = fail_at_bucket
+        self.streams_closed = 0
+
+    def weight_metadata(self):
+        return describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        try:
+            for index, bucket in enumerate(produce_buckets(plan, dict(self.model.named_parameters()).__getitem__)):
+                if index == self.fail_at_bucket:
+                    raise RuntimeError(f"trainer fault at bucket {index}")
+                yield bucket
+        finally:
+            self.streams_closed += 1
+
+
+class FakeReplica:
+    """A replica whose engine is a dict; `fail` maps a step to the exception it raises there."""
+
+    def __init__(self, expected: set[str], **fail: BaseException) -> None:
+        self.lifecycle = UpdateLifecycle()
+        self.expected = expected
+        self.weights: dict[str, torch.Tensor] = {}
+        self.fail = fail
+        self._pending: dict[str, torch.Tensor] = {}
+        self._plan = None
+        self.buckets_seen = 0
+
+    def describe(self):
+        return RolloutModelInfo(FP8_BLOCK, False)
+
+    def status(self):
+        return self.lifecycle.status()
+
+    def node_id(self):
+        return "fake-node"
+
+    def begin_update(self, plan, sync_id, config):
+        self._raise("begin")
+        version = self.lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
+        self._plan, self._pending = plan, {}
+        return version
+
+    def load_bucket(self, sync_id, version, bucket):
+        self.lifecycle.loading(sync_id, version)
+        self.buckets_seen += 1
+        if self.buckets_seen == self.fail.get("at_bucket"):
+            raise EngineError(f"loader fault at bucket {bucket.index}")
+        self._pending.update(loadable_tensors(self._plan, bucket))
+        return 0.0
+
+    def finish_update(self, sync_id, version):
+        self.lifecycle.renew(sync_id, "finish_update")
+        missing = self.expected - set(self._pending)
+        if missing:
+            raise EngineError(f"the update left weights unloaded: {sorted(missing)}")
+        self._raise("finish")
+        self.weights.update(self._pending)
+        self.lifecycle.finished(sync_id, version)
+        return 0.0, []
+
+    def abort_update(self, sync_id, reason):
+        return self.lifecycle.failed(sync_id, reason)
+
+    def _raise(self, step: str) -> None:
+        if isinstance(self.fail.get(step), BaseException):
+            raise self.fail[step]
+
+
+def expected_names(model) -> set[str]:
+    names = {n for n, _ in model.named_parameters()}
+    return names | {n + "_scale" for n in names if n.endswith("down_proj.weight")}
+
+
+CONFIG = SyncConfig(bucket_bytes=100_000, timeout_s=5)
+
+
+def setup(replicas: int = 2, **fail):
+    model = tiny_decoder()
+    return FakeTrainer(model), [FakeReplica(expected_names(model), **(fail if i == 0 else {})) for i in range(replicas)]
+
+
+def test_a_sync_delivers_every_tensor_in_loadable_form_and_names_one_version():
+    trainer, replicas = setup()
+    report = Syncer(trainer, replicas, CONFIG).sync()
+    assert report.version == 1 and report.buckets > 2
+    for replica in replicas:
+        assert replica.status().phase is Phase.SERVING and replica.status().served_version == 1
+        assert replica.weights["model.layers.2.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(replica.weights["model.norm.weight"], trainer.model.model.norm.weight)
+    assert trainer.streams_closed == 1
+
+
+def test_a_failed_begin_on_one_replica_leaves_the_others_serving_their_old_version():
+    """Finding 1: the replicas that did begin were left paused, blocking every call."""
+    trainer, replicas = setup(begin=EngineError("replica 0 is dead"))
+    Syncer(trainer, replicas[1:], CONFIG).sync()  # replica 1 now serves v1
+    with pytest.raises(EngineError, match="replica 0 is dead") as error:
+        Syncer(trainer, replicas, CONFIG).sync()
+    assert replicas[1].status().phase is Phase.SERVING and replicas[1].status().served_version == 1
+    assert "rollout 1: serving v1" in error.value.__notes__
+    assert trainer.streams_closed == 1  # the failed sync never opened a stream
+
+
+def test_an_interrupt_during_begin_aborts_the_replicas_that_began():
+    trainer, replicas = setup()
+    replicas[1].fail["begin"] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        Syncer(trainer, replicas, CONFIG).sync()
+    assert replicas[0].status().phase is Phase.SERVING and replicas[0].lifecycle.open_update() is None
+
+
+def test_a_failure_mid_stream_refuses_everywhere_closes_the_stream_and_the_next_sync_repairs():
+    trainer, replicas = setup(at_bucket=2)
+    with pytest.raises(EngineError, match="loader fault at bucket 1") as error:
+        Syncer(trainer, replicas, CONFIG).sync()
+    assert all(r.status().phase is Phase.REFUSING for r in replicas)
+    assert any(note.startswith("rollout 0: refusing to serve: sync") for note in error.value.__notes__)
+    assert trainer.streams_closed == 1
+    replicas[0].fail.clear()
+    report = Syncer(trainer, replicas, CONFIG).sync()
+    assert report.version == 2  # version 1 was proposed by the failed sync: never reused
+    assert all(r.status().served_version == 2 for r in replicas)
+
+
+def test_a_trainer_fault_mid_stream_is_the_error_raised():
+    model = tiny_decoder()
+    trainer = FakeTrainer(model, fail_at_bucket=1)
+    replicas = [FakeReplica(expected_names(model)) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="trainer fault at bucket 1"):
+        Syncer(trainer, replicas, CONFIG).sync()
+    assert all(r.status().phase is Phase.REFUSING for r in replicas)
+
+
+def test_a_trainer_with_fewer_tensors_is_refused_and_never_served():
+    """Finding 3: a one-layer trainer into a three-layer rollout 'succeeded' with a half-old model."""
+    big = tiny_decoder(layers=3)
+    replicas = [FakeReplica(expected_names(big)) for _ in range(2)]
+    with pytest.raises(EngineError, match=r"model\.layers\.2\.mlp\.down_proj\.weight"):
+        Syncer(FakeTrainer(tiny_decoder(layers=2)), replicas, CONFIG).sync()
+    assert all(r.status().phase is Phase.REFUSING for r in replicas)
+
+
+def test_two_syncers_on_the_same_replicas_never_repeat_a_version():
+    trainer, replicas = setup()
+    first, second = Syncer(trainer, replicas, CONFIG), Syncer(trainer, replicas, CONFIG)
+    versions = [s.sync().version for s in (first, second, first, second)]
+    assert versions == [1, 2, 3, 4]
+
+
+def test_objects_without_the_protocol_methods_are_refused_by_name():
+    trainer, replicas = setup()
+    with pytest.raises(ConfigError, match=r"rollout 1 lacks begin_update\(\)"):
+        Syncer(trainer, [replicas[0], object()])
+    with pytest.raises(ConfigError, match=r"the trainer lacks stream_buckets\(\)"):
+        Syncer(object(), replicas)
+    with pytest.raises(ConfigError, match="at least one"):
+        Syncer(trainer, [])
