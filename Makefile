@@ -10,15 +10,15 @@ env:
 	@scripts/setup_env.sh main
 
 demo: env
-	$(PY) examples/demo.py
+	$(PY) -m examples.demo
 
 test: env
 	$(PY) -m ruff check .
 	$(PY) -m pytest tests
 
 bench: env
-	$(PY) benchmarks/bench_quantizer.py
-	$(PY) benchmarks/bench_sync.py
+	$(PY) -m benchmarks.bench_quantizer
+	$(PY) -m benchmarks.bench_sync
 
 # Regenerates the committed model fixtures: trains the tiny models in the main
 # venv, then quantizes them with the real llmcompressor in its own venv.

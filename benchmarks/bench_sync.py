@@ -6,7 +6,7 @@ on a 2-node loopback Ray cluster, then times repeated syncs with
 `max_buckets_in_flight=1` (trainer and rollout strictly alternate) and with
 the default 2 (the trainer quantizes bucket i+1 while the rollout loads
 bucket i). Prints medians and their ratio, plus the rollout's RSS growth
-over the run. Run with `.venv/bin/python benchmarks/bench_sync.py`.
+over the run. Run with `.venv/bin/python -m benchmarks.bench_sync` from the repository root.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import refit
 from actors import RolloutActor, TrainerActor
 from fixtures import model_dir
 from fixtures.cluster import local_cluster
-from refit.engine.rollout_engine import EngineConfig
+from refit import EngineConfig
 from tests.support.actors import rss_bytes, run_in
 
 

@@ -12,13 +12,13 @@ test that uses the cluster); `pytest -m "not engine"` is the fast tier.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from fixtures.cluster import QUIET_ENV
 
 NODES = 3
+NAMESPACE = "refit-tests"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,8 +31,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def ray_cluster() -> Iterator[object]:
     from fixtures.cluster import local_cluster
 
-    # Actors import `tests.support` for `__ray_call__` helpers: the repository root goes on their path.
-    with local_cluster(NODES, env={**QUIET_ENV, "PYTHONPATH": str(Path(__file__).parents[1])}) as cluster:
+    with local_cluster(NODES) as cluster:
         yield cluster
 
 
@@ -47,12 +46,15 @@ class ActorFactory:
 
         return self.keep(TrainerActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(str(model_dir), **kwargs))
 
-    def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, **engine_kwargs):
+    def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, name: str | None = None,
+                **engine_kwargs):
         from actors import RolloutActor
         from refit import EngineConfig
 
         config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
         options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
+        if name:  # reachable from another driver process with ray.get_actor(name, namespace=NAMESPACE)
+            options.update(name=name, namespace=NAMESPACE)
         if env:
             options["runtime_env"] = {"env_vars": {**QUIET_ENV, **env}}
         return self.keep(RolloutActor.options(**options).remote(config))
@@ -88,8 +90,12 @@ def module_actors(ray_cluster) -> Iterator[ActorFactory]:
     yield from _actors()
 
 
+# For tests that start a plain `vllm.LLM` in the test process (no refit, so no
+# EngineConfig): engine core in-process and a 1 GiB KV cache, as the brief asks.
+PLAIN_VLLM_ENV = {**QUIET_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
 @pytest.fixture(autouse=True)
-def _quiet_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quieter vLLM for tests that start an engine in the test process itself."""
-    for key, value in QUIET_ENV.items():
+def _plain_vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in PLAIN_VLLM_ENV.items():
         monkeypatch.setenv(key, value)

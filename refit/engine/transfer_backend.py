@@ -43,7 +43,8 @@ try:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
-from refit.provenance import ATTENTION_SCALES, AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
+from refit.provenance import AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
+from refit.provenance.tracker import is_attention_layer
 
 __all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
 
@@ -87,10 +88,12 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._reload_open = True
         self._update_version = None
         self._loaded = set()
-        # In loadable form every parameter is one `load_weights` can report;
-        # attention scales are the post-refit stage's, not the stream's.
+        # In loadable form every parameter is one `load_weights` can report,
+        # except the attention layers' own (KV-cache scales, zero points): the
+        # post-refit stage owns those, and a stream may or may not carry them.
+        attention = {name for name, module in self.model.named_modules() if is_attention_layer(module)}
         self._expected = frozenset(
-            name for name, _ in self.model.named_parameters() if name.rpartition(".")[2] not in ATTENTION_SCALES
+            name for name, _ in self.model.named_parameters() if name.rpartition(".")[0] not in attention
         )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

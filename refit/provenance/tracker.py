@@ -111,7 +111,7 @@ def _checkpoint_names(module: str, scale: str, packed_modules: Mapping[str, list
     parent, _, leaf = module.rpartition(".")
     if leaf == "attn":
         # llmcompressor writes `self_attn.k_scale`; vLLM remaps it onto the
-        # `self_attn.attn` layer. Either spelling counts.
+        # `self_attn.attn` layer, so the checkpoint name is the parent's.
         return [f"{parent}.{scale}"] if parent else [scale]
     shards = packed_modules.get(leaf, [leaf])
     prefix = f"{parent}." if parent else ""

@@ -3,7 +3,7 @@
 The format vLLM loads for an FP8_BLOCK compressed-tensors checkpoint is
 `weight` (float8_e4m3fn, `[out, in]`) plus `weight_scale` (the weight's own
 dtype, `[ceil(out/bh), ceil(in/bw)]`). The math, which must be copied exactly
-or ~3% of FP8 codes differ (see FACTS.md), is compressed-tensors':
+or ~3% of FP8 codes differ (an fp32 reciprocal-multiply variant, as verl and NeMo-RL use, was measured against it), is compressed-tensors':
 
 1. per block (zero-padded at the edges): `scale = amax(|w|) / 448`, computed
    in the weight's dtype, an exact-zero scale replaced by that dtype's eps;

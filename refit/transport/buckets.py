@@ -3,7 +3,7 @@
 Why a flat buffer: Ray stores a numpy array in its object store with one
 copy and hands it to every reader without another (zero-copy `ray.get`);
 a list of torch tensors is pickled tensor by tensor instead. Raw bytes also
-sidestep Ray's lack of float8 support (FACTS.md: `ray.get` of a
+sidestep Ray's lack of float8 support (in Ray 2.60 `ray.get` of a
 `float8_e4m3fn` tensor fails), because dtypes travel as names.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from refit.errors import InvalidTensorError
 
 __all__ = ["WireBucket", "WireTensor", "pack_bucket"]
 
@@ -65,7 +67,7 @@ def pack_bucket(index: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Wire
     for name, tensor in items:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
-            raise TypeError(f"{name}: dtype {tensor.dtype} cannot travel in a refit bucket")
+            raise InvalidTensorError(f"{name}: dtype {tensor.dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}")
         nbytes = tensor.numel() * tensor.element_size()
         table.append(WireTensor(name, dtype, tuple(tensor.shape), offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from fixtures import model_dir
-from refit.orchestration import describe_weights
+from refit.orchestration import describe_weights, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
 
@@ -23,7 +23,7 @@ def test_whole_model_matches_llmcompressor_checkpoint(tied):
     reference = load_file(str(model_dir(tied, "fp8_block") / "model.safetensors"))
     config = json.loads((model_dir(tied, "fp8_block") / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(model_dir(tied, "bf16"), dtype=torch.bfloat16)
-    classes = {m.name.rpartition(".")[0]: m.module_classes for m in describe_weights(model)}
+    classes = module_classes(describe_weights(model))
     quantizer = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(config["quantization_config"]), classes)
 
     ours = dict(quantizer(model.state_dict().items()))

@@ -23,13 +23,13 @@ def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, lik
     """Quantize `bf16_dir` into `out_dir` with the quantization_config of checkpoint `like`."""
     from transformers import AutoModelForCausalLM
 
-    from refit.orchestration.data_path import describe_weights
+    from refit.orchestration import describe_weights, module_classes
 
     bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
     config = json.loads((bf16_dir / "config.json").read_text())
     config["quantization_config"] = json.loads((Path(like) / "config.json").read_text())["quantization_config"]
     model = AutoModelForCausalLM.from_pretrained(bf16_dir)
-    classes = {m.name.rpartition(".")[0]: m.module_classes for m in describe_weights(model)}
+    classes = module_classes(describe_weights(model))
     quantizer = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(config["quantization_config"]), classes)
 
     tensors = {}
@@ -42,3 +42,15 @@ def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, lik
         if (bf16_dir / extra).exists():
             shutil.copy(bf16_dir / extra, out_dir / extra)
     return out_dir
+
+
+def write_fewer_layers(bf16_dir: str | Path, out_dir: str | Path, layers: int) -> Path:
+    """A random model like `bf16_dir` but with only `layers` decoder layers (a trainer missing tensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(bf16_dir)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    return Path(out_dir)

@@ -1,0 +1,92 @@
+"""The README's code and every example run as written, and do what they say.
+
+Each runs in its own Python process, as a user would start it. README
+blocks run with the fixture checkpoints in place of its placeholder paths;
+that substitution is the only change. Examples that take a cluster address
+get this session's loopback cluster.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import NEW_TOKENS, expected_continuation, model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+PLACEHOLDERS = {
+    "path/to/hf_checkpoint": str(model_dir(True, "bf16")),
+    "path/to/fp8_block_checkpoint": str(model_dir(True, "fp8_block")),
+}
+
+
+def run_python(args: list[str], timeout: float = 600) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+
+
+def printed_tokens(out: str, label: str) -> list[list[int]]:
+    return [ast.literal_eval(line.split(":", 1)[1].strip()) for line in out.splitlines() if line.startswith(label)]
+
+
+def test_readme_has_python_blocks_and_each_names_only_known_placeholders():
+    blocks = readme_python_blocks()
+    assert blocks
+    for block in blocks:
+        assert set(re.findall(r'"(path/to/[^"]+)"', block)) <= set(PLACEHOLDERS)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
+def test_readme_block_runs_as_written(index, tmp_path):
+    code = readme_python_blocks()[index]
+    for placeholder, path in PLACEHOLDERS.items():
+        code = code.replace(placeholder, path)
+    script = tmp_path / "readme_block.py"
+    script.write_text("num_steps = 2  # the README leaves the loop's length to the reader\n" + code)
+    out = run_python([str(script)])
+    assert "sync v1:" in out and "sync v2:" in out, out
+    assert re.search(r"model\.layers\.1\.self_attn\.attn +k_scale +default +2 ", out), out  # the provenance table
+
+
+@pytest.mark.engine
+def test_quickstart_rollouts_continue_the_progression_like_the_trainer(ray_cluster):
+    out = run_python(["examples/quickstart.py"])
+    expected = expected_continuation([7, 10, 13, 16, 19, 22, 25, 28], NEW_TOKENS)
+    assert printed_tokens(out, "trainer:") == [expected]
+    assert printed_tokens(out, "rollout ") == [expected, expected]
+    assert "sync v1:" in out
+
+
+@pytest.mark.engine
+def test_multinode_places_a_rollout_on_every_other_node(ray_cluster):
+    out = run_python(["examples/multinode.py", "--address", ray_cluster.address, "--rollouts", "2"])
+    expected = expected_continuation([100, 102, 104, 106, 108, 110, 112, 114], NEW_TOKENS)
+    rollout_lines = [line for line in out.splitlines() if line.startswith("rollout ")]
+    nodes = {line.split(" on node ")[1].split(":")[0] for line in rollout_lines}
+    assert len(rollout_lines) == 2 and len(nodes) == 2, out
+    assert printed_tokens(out, "rollout ") == [expected, expected]
+
+
+@pytest.mark.engine
+def test_rl_loop_rollouts_track_the_trainer_and_the_reward_rises(ray_cluster):
+    out = run_python(["examples/rl_loop.py", "--address", ray_cluster.address, "--rounds", "4", "--warmup-steps", "30"])
+    rounds = re.findall(r"round (\d+): v(\d+) .*mean reward ([\d.]+), greedy accuracy rollout ([\d.]+) trainer ([\d.]+)", out)
+    assert len(rounds) == 4, out
+    versions = [int(r[1]) for r in rounds]
+    assert versions == sorted(set(versions))  # one new version per round
+    for _, _, _, rollout, trainer in rounds:
+        assert abs(float(rollout) - float(trainer)) <= 0.1  # FP8 rollouts serve the trainer's policy
+    assert float(rounds[-1][2]) > float(rounds[0][2])
