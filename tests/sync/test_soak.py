@@ -10,9 +10,11 @@ or run after it, never sharing its version).
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import threading
+import time
 
 import pytest
 import ray
@@ -32,10 +34,14 @@ pytestmark = pytest.mark.soak
 
 
 def plasma_objects() -> int:
+    """Objects in the object stores of all nodes, once references dropped by this process are released."""
     from ray._private.internal_api import memory_summary
 
+    gc.collect()
+    time.sleep(2)  # reference counts reach the raylets asynchronously
     match = re.search(r"(\d+) objects", memory_summary(stats_only=True))
-    return int(match.group(1)) if match else 0
+    assert match, memory_summary(stats_only=True)
+    return int(match.group(1))
 
 
 def test_soak(module_actors, tmp_path):
@@ -93,6 +99,10 @@ def test_soak(module_actors, tmp_path):
     print(f"\nsoak: {SYNCS} syncs, faults {faults}, versions {versions[0]}..{versions[-1]}, rollout RSS growth "
           f"{growth / 2**20:.1f} MiB (bound {bound / 2**20:.1f}), plasma objects left {left}")
     assert growth < bound
+    if left > 0:
+        from ray._private.internal_api import memory_summary
+
+        print(memory_summary())
     assert left <= 0
 
 
