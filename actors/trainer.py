@@ -80,6 +80,11 @@ class TrainerActor:
         logprobs = logits.log_softmax(-1).gather(2, ids[:, prompt_len:, None])[..., 0]
         return self._step(-(weights[:, None] * logprobs).mean())
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the optimizer's learning rate (e.g. from a supervised warm-up to RL)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def _step(self, loss: torch.Tensor) -> float:
         loss.backward()
         self.optimizer.step()
