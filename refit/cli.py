@@ -3,16 +3,17 @@
     refit plan TRAINER_CHECKPOINT ROLLOUT_CHECKPOINT [--bucket-mib N] [--quantize-on trainer|rollout]
 
 reads both config.json files (the trainer's model is built on the meta
-device, for names, shapes and module classes), and prints every tensor the
-rollout would receive: its source, shape, whether it is FP8_BLOCK-quantized,
-its bucket, and the bytes on the wire. Bad input is an error message and
+device, for names, shapes and module classes) and the rollout checkpoint's
+safetensors headers, checks the plan against the rollout's weights as a
+sync would, and prints every tensor the rollout would receive: its source,
+shape, whether it is FP8_BLOCK-quantized, its bucket, and the bytes on the
+wire. Bad input, or a mismatch, is an error message naming every tensor and
 exit status 1, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
         if not (path / "config.json").is_file():
             raise ConfigError(f"{role} checkpoint {str(path)!r} has no config.json (is the path right?)")
     config = SyncConfig(bucket_bytes=bucket_bytes, quantize_on=quantize_on)
-    rollout_model = RolloutModelInfo.from_hf_config(json.loads((rollout / "config.json").read_text()))
+    rollout_model = RolloutModelInfo.from_checkpoint(rollout, from_files=True)
     try:
         with torch.device("meta"):  # names, shapes and classes only: no weights are read
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer), dtype=torch.bfloat16)

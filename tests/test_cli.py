@@ -26,3 +26,17 @@ def test_plan_refuses_an_unsupported_rollout_scheme(tmp_path, capsys):
     (rollout / "config.json").write_text(json.dumps(config))
     assert main(["plan", str(model_dir(True, "bf16")), str(rollout)]) == 1
     assert "weights.strategy='channel', FP8_BLOCK needs 'block'" in capsys.readouterr().err
+
+
+def test_plan_with_a_missing_path_is_an_error_not_a_traceback(tmp_path, capsys):
+    """Found: a bad path printed a traceback."""
+    assert main(["plan", str(tmp_path / "nowhere"), str(model_dir(True, "fp8_block"))]) == 1
+    err = capsys.readouterr().err
+    assert "trainer checkpoint" in err and "nowhere" in err and "has no config.json" in err and "Traceback" not in err
+    assert main(["plan", str(model_dir(True, "bf16")), str(tmp_path)]) == 1
+    assert "rollout checkpoint" in capsys.readouterr().err
+
+
+def test_plan_with_a_bad_bucket_size_names_the_setting(capsys):
+    assert main(["plan", str(model_dir(True, "bf16")), str(model_dir(True, "fp8_block")), "--bucket-mib", "0"]) == 1
+    assert "bucket_bytes=0" in capsys.readouterr().err

@@ -63,8 +63,7 @@ class RolloutEngine:
 
         self.config = config
         self.llm = LLM(**config.llm_kwargs(on_gpu=on_gpu))
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        self.model_info = RolloutModelInfo.from_hf_config(hf_config.to_dict())
+        self.model_info = RolloutModelInfo.from_checkpoint(config.model, from_files=config.load_format != "dummy")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
 
     def begin_update(self) -> None:

@@ -15,15 +15,18 @@ rule and tests/orchestration/test_layer_order.py checks it against vLLM's.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.orchestration.config import QuantizeOn, SyncConfig
+from refit.orchestration.expected_weights import ExpectedWeight, expected_weights
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
@@ -50,17 +53,30 @@ def module_classes(metas: Sequence[TensorMeta]) -> dict[str, tuple[str, ...]]:
 
 @dataclass(frozen=True, slots=True)
 class RolloutModelInfo:
-    """What a plan needs to know about the rollout's model, read from its HF config."""
+    """What a plan needs to know about the rollout's model: its quantization, tying, and expected weights."""
 
     quantization_config: dict[str, Any] | None
     tie_word_embeddings: bool
+    weights: tuple[ExpectedWeight, ...] | None = None  # None: unknown, the plan is not checked against it
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> RolloutModelInfo:
-        """From a `config.json` as a dict; multimodal configs keep the text model's fields in `text_config`."""
+        """From a `config.json` as a dict alone (no expected weights); multimodal configs keep the text
+        model's fields in `text_config`."""
         text_config = config.get("text_config") or config
         quantization = config.get("quantization_config")
         return cls(dict(quantization) if quantization else None, bool(text_config.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, *, from_files: bool) -> RolloutModelInfo:
+        """From a rollout's model directory, with its expected weights (see `expected_weights`).
+
+        `from_files`: the engine loaded the checkpoint's files (not `load_format="dummy"`).
+        """
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        info = cls.from_hf_config(config)
+        return cls(info.quantization_config, info.tie_word_embeddings,
+                   expected_weights(model_dir, info.quantization_config, from_files=from_files))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +152,38 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
         planned[target] = PlannedTensor(target, source, meta.shape, meta.dtype, block)
     if problems:
         raise InvalidTensorError("cannot plan the transfer:\n  " + "\n  ".join(problems))
+    if rollout_model.weights is not None:
+        _check_against_rollout(list(planned.values()), rollout_model)
 
     ordered = [planned[name] for name in _layer_order(list(planned))]
     return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on)
+
+
+def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutModelInfo) -> None:
+    """Every target is a weight of the rollout's model in the form and shape it expects, and every weight
+    it expects is covered; all mismatches reported together, before any byte moves."""
+    expected = {w.name: w for w in rollout_model.weights}
+    problems: list[str] = []
+    for t in planned:
+        weight = expected.get(t.target)
+        if weight is None:
+            if not (t.target == _LM_HEAD and rollout_model.tie_word_embeddings):  # the tie's other name
+                problems.append(f"{t.target}: the rollout's model has no such weight (renamed, or extra in the trainer?)")
+        elif weight.shape != t.shape:
+            problems.append(f"{t.target}: shape {t.shape} from the trainer, {weight.shape} in the rollout's model")
+        elif weight.fp8_block != t.is_quantized:
+            want, got = ("FP8_BLOCK", t.dtype) if weight.fp8_block else (t.dtype, "FP8_BLOCK")
+            problems.append(f"{t.target}: the rollout expects it {want}, the plan would send {got}")
+    covered = {t.target for t in planned}
+    problems += [
+        f"{name}: the rollout's model has it, the trainer sends nothing (missing in the trainer?)"
+        for name in expected if name not in covered
+    ]
+    if problems:
+        raise PlanMismatchError(
+            f"the trainer's weights do not match the rollout's model ({len(problems)} problem(s)); nothing was sent:\n  "
+            + "\n  ".join(problems)
+        )
 
 
 def _layer_order(names: list[str]) -> list[str]:

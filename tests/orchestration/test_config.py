@@ -69,6 +69,7 @@ def test_engine_memory_is_bounded_on_a_cpu_and_left_to_vllm_on_a_gpu():
     assert custom.llm_kwargs(on_gpu=False)["gpu_memory_utilization"] == 0.5
 
 
+@pytest.mark.engine  # a subprocess importing torch, Ray and transformers (~4 s): not the fast tier
 def test_a_trainer_process_does_not_import_vllm():
     """What a trainer and a driver import (actors, the library's public names) leaves vLLM out."""
     code = (

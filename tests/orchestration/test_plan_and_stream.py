@@ -110,3 +110,45 @@ def test_non_finite_values_anywhere_are_refused_before_any_bucket():
         model.model.layers[1].post_attention_layernorm.weight[5] = float("inf")
     with pytest.raises(InvalidTensorError, match=r"model\.layers\.1\.post_attention_layernorm\.weight: holds NaN or Inf"):
         next(produce_buckets(plan, lookup(model)))
+
+
+# -- the plan checked against the rollout's own weights (before any byte moves) ---------------------------------
+
+
+def checked(tied: bool, *, from_files: bool) -> RolloutModelInfo:
+    return RolloutModelInfo.from_checkpoint(model_dir(tied, "fp8_block"), from_files=from_files)
+
+
+@pytest.mark.parametrize("from_files", [True, False], ids=["checkpoint-headers", "config-only"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_matching_trainer_passes_the_rollout_check(tied, from_files):
+    plan = make_plan(describe_weights(trainer_model(tied)), checked(tied, from_files=from_files), config(1 << 20))
+    assert {t.target for t in plan.tensors} == {n for n, _ in trainer_model(tied).named_parameters(remove_duplicate=False)}
+
+
+def test_every_mismatch_with_the_rollouts_weights_is_reported_together_before_any_byte():
+    metas = {m.name: m for m in describe_weights(trainer_model(tied=False))}
+    renamed = metas.pop("model.layers.0.mlp.up_proj.weight")
+    metas["model.layers.0.mlp.upper_proj.weight"] = TensorMeta("model.layers.0.mlp.upper_proj.weight", renamed.shape,
+                                                               renamed.dtype, renamed.module_classes)
+    del metas["model.norm.weight"]  # missing
+    metas["model.extra.weight"] = TensorMeta("model.extra.weight", (4, 4), "bfloat16", ("Parameter",))  # extra
+    down = metas["model.layers.1.mlp.down_proj.weight"]
+    metas[down.name] = TensorMeta(down.name, (256, 384), down.dtype, down.module_classes)  # changed shape
+    with pytest.raises(PlanMismatchError) as error:
+        make_plan(list(metas.values()), checked(False, from_files=True), config(1 << 20))
+    message = str(error.value)
+    assert "nothing was sent" in message
+    assert "model.layers.0.mlp.upper_proj.weight: the rollout's model has no such weight" in message
+    assert "model.layers.0.mlp.up_proj.weight: the rollout's model has it, the trainer sends nothing" in message
+    assert "model.norm.weight: the rollout's model has it, the trainer sends nothing" in message
+    assert "model.extra.weight: the rollout's model has no such weight" in message
+    assert "model.layers.1.mlp.down_proj.weight: shape (256, 384) from the trainer, (256, 512) in the rollout's model" in message
+
+
+def test_bf16_where_the_rollout_expects_fp8_is_refused():
+    """A rollout checkpoint quantized where the config's scheme would not (or the reverse) cannot be fed."""
+    info = checked(False, from_files=True)
+    as_bf16 = RolloutModelInfo(None, False, info.weights)  # a scheme that quantizes nothing
+    with pytest.raises(PlanMismatchError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: the rollout expects it FP8_BLOCK"):
+        make_plan(describe_weights(trainer_model(False)), as_bf16, config(1 << 20))

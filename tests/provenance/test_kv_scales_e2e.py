@@ -8,8 +8,11 @@ each scale came from and resets only the placeholder ones.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import ray
@@ -17,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import refit
-from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
 from refit.provenance import KvScalePolicy, ScaleSource
 from tests.support.actors import attention_amax, prompt_logprobs, run_in
 
@@ -116,6 +119,38 @@ def test_recompute_matches_amax_measured_on_the_trainers_model(seed_setup):
     after = by_key(ray.get(rollout.scale_records.remote()))
     assert after[("model.layers.0.self_attn.attn", "k_scale")].source is ScaleSource.CALIBRATED
 
+    # After the trainer changes, a recompute measures the new weights, not the old ones.
+    for step in range(3):
+        ray.get(trainer.train_step.remote(make_sequences(16, 24, seed=500 + step).tolist()))
+    changed = run_in(trainer, attention_amax, CALIBRATION)
+    assert any(abs(changed[k] / expected[k] - 1) > 0.05 for k in expected)  # the check can tell old from new
+    report = refit.sync(trainer, rollout, config)
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for layer in range(2):
+        for scale in ("q_scale", "k_scale", "v_scale"):
+            record = records[(f"model.layers.{layer}.self_attn.attn", scale)]
+            assert record.version == report.version
+            assert record.value == pytest.approx(changed[f"{layer}.{scale}"] / 448.0, rel=0.05), (layer, scale)
+
+
+def test_recompute_with_tensor_parallel_two_takes_the_max_over_ranks(module_actors):
+    """Each TP rank sees half the heads; the scale is the amax over both, as on one rank."""
+    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    rollout = module_actors.rollout(
+        model_dir(True, "fp8_block"), load_format="dummy", kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    config = refit.SyncConfig(kv_scales="recompute", calibration_prompts=CALIBRATION)
+    report = refit.sync(trainer, rollout, config)
+    expected = run_in(trainer, attention_amax, CALIBRATION)
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for layer in range(2):
+        for scale in ("q_scale", "k_scale", "v_scale"):
+            record = records[(f"model.layers.{layer}.self_attn.attn", scale)]
+            assert record.source is ScaleSource.CALIBRATED and record.version == report.version
+            assert record.value == pytest.approx(expected[f"{layer}.{scale}"] / 448.0, rel=0.05), (layer, scale)
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
 
 @ray.remote
 class CalibratingTrainer:
@@ -163,10 +198,23 @@ def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
 
 
-def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_actors):
+def without_kv_cache_scheme(tmp_path: Path) -> Path:
+    """The calibrated checkpoint, its config stripped of `kv_cache_scheme` (the case verl's review asked about)."""
+    copy = tmp_path / "fp8_block_kv-no-scheme"
+    shutil.copytree(model_dir(True, "fp8_block_kv"), copy)
+    config = json.loads((copy / "config.json").read_text())
+    del config["quantization_config"]["kv_cache_scheme"]
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("scheme_in_config", [True, False], ids=["with-kv-cache-scheme", "without-kv-cache-scheme"])
+def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_actors, tmp_path, scheme_in_config):
+    """The upstream rule ("reset when the config has no kv_cache_scheme") would wipe these without the scheme."""
     checkpoint = load_file(str(model_dir(True, "fp8_block_kv") / "model.safetensors"))
     trainer = module_actors.trainer(model_dir(True, "bf16"))
-    rollout = module_actors.rollout(model_dir(True, "fp8_block_kv"), kv_cache_dtype="fp8_e4m3")
+    directory = model_dir(True, "fp8_block_kv") if scheme_in_config else without_kv_cache_scheme(tmp_path)
+    rollout = module_actors.rollout(directory, kv_cache_dtype="fp8_e4m3")
 
     refit.sync(trainer, rollout)
 
@@ -179,4 +227,18 @@ def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_ac
             assert records[(module, scale)].value == stored  # bit-identical float32
             assert stored > 0 and math.isfinite(stored)
         assert records[(module, "q_scale")].source is ScaleSource.DEFAULT  # never in the checkpoint
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+
+def test_placeholder_scales_of_a_checkpoint_without_kv_scales_become_defaults(module_actors):
+    """load_format="auto" on an FP8 checkpoint without KV scales: vLLM's 1.0 placeholders, recorded as such."""
+    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    rollout = module_actors.rollout(model_dir(True, "fp8_block"), kv_cache_dtype="fp8_e4m3")
+    before = by_key(ray.get(rollout.scale_records.remote()))
+    attention = [k for k, r in before.items() if r.kind == "attention"]
+    assert attention and all(before[k].source is ScaleSource.PLACEHOLDER for k in attention)
+    report = refit.sync(trainer, rollout)
+    after = by_key(ray.get(rollout.scale_records.remote()))
+    for key in attention:
+        assert after[key].source is ScaleSource.DEFAULT and after[key].version == report.version and after[key].value == 1.0
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0

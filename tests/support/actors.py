@@ -52,6 +52,12 @@ def node_id(_actor) -> str:
 
 
 def rss_bytes(_actor) -> int:
-    """Current resident memory of the actor's process."""
+    """Resident memory private to the actor's process.
+
+    Shared pages are left out: buckets fetched from Ray's object store are
+    mapped from its shared arena, and each new bucket touches new pages of it
+    until the whole arena is resident, which would read as a leak.
+    """
     with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        _, resident, shared, *_ = (int(x) for x in f.read().split())
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")

@@ -3,9 +3,9 @@
 Sized for CI by default; `REFIT_SOAK_SYNCS=200 .venv/bin/python -m pytest tests/sync/test_soak.py -s`
 runs the long version by hand (the README reports that run). Every fourth
 round injects a fault, in turn: a NaN in the trainer (refused before any
-byte moves), a trainer missing a layer (refused at finish: the replicas
-refuse until the next sync), and a second sync racing the first (refused,
-or run after it, never sharing its version).
+byte moves), a trainer missing a layer (refused by the plan check, before
+any byte moves), and a second sync racing the first (refused, or run after
+it, never sharing its version).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def test_soak(module_actors, tmp_path):
             run_in(trainer, set_parameter, NAN_TARGET, good)
             assert all(ray.get(r.status.remote()).phase is Phase.SERVING for r in replicas)  # untouched
         elif kind == "missing layer":
-            with pytest.raises(refit.EngineError, match="unloaded"):
+            with pytest.raises(refit.PlanMismatchError, match="the trainer sends nothing"):
                 refit.Syncer(short, replicas, CONFIG).sync()
-            assert all(ray.get(r.status.remote()).phase is Phase.REFUSING for r in replicas)
+            assert all(ray.get(r.status.remote()).phase is Phase.SERVING for r in replicas)  # nothing was sent
         elif kind == "racing sync":
             rival = threading.Thread(target=lambda: _quietly(refit.Syncer(trainer, replicas, CONFIG).sync))
             rival.start()

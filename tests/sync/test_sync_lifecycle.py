@@ -13,8 +13,8 @@ import torch
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
-from refit.errors import InvalidTensorError, ReplicaRefusingError
-from tests.support.actors import rss_bytes, run_in, set_parameter
+from refit.errors import InvalidTensorError, PlanMismatchError, ReplicaRefusingError
+from tests.support.actors import prompt_logprobs, rss_bytes, run_in, set_parameter
 
 PROMPTS = make_prompts(4, PROMPT_LEN, seed=21)
 SYNCS = 20
@@ -27,32 +27,58 @@ def rollout(module_actors):
 
 @pytest.fixture(scope="module")
 def trainer(module_actors):
-    return module_actors.trainer(model_dir(False, "bf16"), lr=1e-3)
+    # Random weights, trained fast: every step's model differs from the last
+    # and from the rollout's checkpoint, so a sync that delivered nothing fails.
+    return module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=7, lr=3e-3)
+
+
+def served_logprobs(rollout) -> list[list[float]]:
+    return [row[1:] for row in ray.get(rollout.generate.remote(PROMPTS, 1, prompt_logprobs=True)).prompt_logprobs]
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    diffs = [abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    return sum(diffs) / len(diffs)
 
 
 def test_twenty_syncs_each_correct_with_flat_memory(trainer, rollout):
     syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
-    rss = []
+    previous = served_logprobs(rollout)
     for step in range(SYNCS):
         ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=100 + step).tolist()))
         report = syncer.sync()
         assert report.replicas[0].served_version == report.version == step + 1
-        assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
-            trainer.generate.remote(PROMPTS, NEW_TOKENS)
-        ), f"sync {step + 1} served something else than the trainer's model"
-        rss.append(run_in(rollout, rss_bytes))
+        served, expected = served_logprobs(rollout), run_in(trainer, prompt_logprobs, PROMPTS)
+        # Teacher-forced log-probs: bf16 engine vs bf16 trainer differ by 0.001-0.002
+        # on average (measured over 20 syncs); one optimizer step moves them by
+        # 0.11-0.39, so each check tells versions apart.
+        assert mean_abs_diff(served, expected) < 0.01, f"sync {step + 1} served something else than the trainer's model"
+        assert mean_abs_diff(served, previous) > 0.05, f"sync {step + 1} changed nothing"
+        previous = served
     assert report.buckets > 1  # several buckets per sync, so a per-bucket leak would add up
-    # After 5 warm-up syncs, 15 more may grow the rollout process by at most 4
-    # syncs' worth of wire bytes (~11 MiB). Measured: 5-8 MiB of allocator and
-    # logging noise. Keeping one 1 MiB bucket per sync alive would add 15 MiB,
-    # keeping a whole sync's tensors 41 MiB.
+
+    # Memory across syncs alone (generation has its own caches, which grow for
+    # ~12 calls with prompt log-probs and then stay flat): after 5 warm-up
+    # syncs, 20 more may grow the rollout process by at most 4 syncs' worth of
+    # wire bytes (~11 MiB). Keeping one 1 MiB bucket per sync alive would add
+    # 20 MiB, keeping a whole sync's tensors 55 MiB.
+    rss = []
+    for _ in range(25):
+        syncer.sync()
+        rss.append(run_in(rollout, rss_bytes))
     growth = rss[-1] - rss[4]
     bound = 4 * report.bytes_on_wire
-    assert growth < bound, f"rollout RSS grew {growth / 2**20:.1f} MiB over {SYNCS - 5} syncs (bound {bound / 2**20:.1f})"
+    print(f"rollout RSS over 20 syncs: {[round(r / 2**20, 1) for r in rss[4:]]} MiB")
+    assert growth < bound, f"rollout RSS grew {growth / 2**20:.1f} MiB over 20 syncs (bound {bound / 2**20:.1f})"
 
 
 def test_nan_in_a_weight_is_refused_and_the_served_model_is_untouched(trainer, rollout):
-    before = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids
+    ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=999).tolist()))  # the trainer moves on ...
+    before = served_logprobs(rollout)
     version = ray.get(rollout.status.remote()).served_version
     name = "model.layers.1.mlp.down_proj.weight"
     poisoned = torch.zeros(256, 512, dtype=torch.bfloat16)
@@ -65,7 +91,7 @@ def test_nan_in_a_weight_is_refused_and_the_served_model_is_untouched(trainer, r
         bad.sync()
 
     assert ray.get(rollout.status.remote()).served_version == version
-    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == before
+    assert served_logprobs(rollout) == before  # ... but nothing of it reached the rollout
 
 
 def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(module_actors, rollout):
@@ -121,26 +147,27 @@ def test_any_actor_with_the_weight_source_methods_can_be_synced(module_actors, r
     )
 
 
-def test_a_trainer_whose_model_differs_from_the_rollouts_fails_and_the_next_good_sync_repairs(
-    module_actors, rollout, tmp_path
-):
-    """The engine's own loader rejects a shape mid-stream; refit closes the update cleanly."""
+def test_a_trainer_whose_model_differs_from_the_rollouts_is_refused_before_any_byte(module_actors, rollout, tmp_path):
+    """Every reshaped tensor is named by the plan check; the engine never sees a byte and keeps serving."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir(False, "bf16"))
     config.intermediate_size = 384
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
     wrong = module_actors.trainer(tmp_path / "other")
-    with pytest.raises(ray.exceptions.RayTaskError):
+    before = ray.get(rollout.status.remote())
+    served = served_logprobs(rollout)
+    with pytest.raises(PlanMismatchError) as error:
         refit.sync(wrong, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
-    with pytest.raises(ray.exceptions.RayTaskError, match="refuses to serve: sync [0-9a-f]+ failed"):
-        ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS))
+    for layer in range(2):
+        for proj, shape in (("gate_proj", "(384, 256)"), ("up_proj", "(384, 256)"), ("down_proj", "(256, 384)")):
+            assert f"model.layers.{layer}.mlp.{proj}.weight: shape {shape} from the trainer" in str(error.value)
+    assert ray.get(rollout.status.remote()) == before
+    assert served_logprobs(rollout) == served
 
     good = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=12)
     refit.sync(good, rollout)
-    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
-        good.generate.remote(PROMPTS, NEW_TOKENS)
-    )
+    assert max_abs_diff(served_logprobs(rollout), run_in(good, prompt_logprobs, PROMPTS)) < 1e-2
 
 
 def test_requests_in_flight_finish_on_the_old_model_and_requests_during_an_update_wait_for_the_new(

@@ -1,0 +1,84 @@
+"""What the rollout's model expects to receive: every weight's name, shape and form.
+
+The plan is checked against this before any byte moves (`make_plan`), so a
+trainer with a renamed, missing, extra or reshaped tensor, or one the
+rollout expects in another form, is refused with every such tensor named,
+and the replicas keep serving. Without it a partial update was found only
+after loading, or not at all.
+
+Two sources, in the rollout's checkpoint format (the names and forms its
+checkpoint holds, which is what vLLM's loaders take):
+- the checkpoint's safetensors headers, when the engine loaded from files
+  (no tensor data is read);
+- otherwise (a config-only directory, `load_format="dummy"`), the model
+  built from its `config.json` on the meta device, with the FP8 forms the
+  rollout's `quantization_config` gives.
+
+Scales (`weight_scale`, attention KV scales) and zero points are not
+listed: a quantized weight brings its own scale, and the post-refit stage
+owns the attention scales.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ExpectedWeight", "expected_weights"]
+
+# Tensors that come with another one, or that the post-refit stage owns.
+_NOT_STREAMED_ALONE = ("weight_scale", "weight_scale_inv", "input_scale", "q_scale", "k_scale", "v_scale", "prob_scale",
+                       "k_zero_point", "v_zero_point", "q_zero_point")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedWeight:
+    name: str
+    shape: tuple[int, ...]
+    fp8_block: bool  # the rollout expects FP8 codes plus a block scale
+
+
+def expected_weights(
+    model_dir: str | Path, quantization_config: dict | None, *, from_files: bool
+) -> tuple[ExpectedWeight, ...]:
+    """The weights a rollout started from `model_dir` expects, sorted by name."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    weights = _from_headers(files) if from_files and files else _from_config(model_dir, quantization_config)
+    return tuple(sorted(weights, key=lambda w: w.name))
+
+
+def _streamed(name: str) -> bool:
+    return name.rpartition(".")[2] not in _NOT_STREAMED_ALONE
+
+
+def _from_headers(files: list[Path]) -> list[ExpectedWeight]:
+    weights = []
+    for path in files:
+        with path.open("rb") as f:  # the header: 8-byte length, then JSON; no tensor data is read
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__" and _streamed(name):
+                weights.append(ExpectedWeight(name, tuple(entry["shape"]), entry["dtype"].startswith("F8")))
+    return weights
+
+
+def _from_config(model_dir: Path, quantization_config: dict | None) -> list[ExpectedWeight]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from refit.orchestration.data_path import describe_weights
+    from refit.orchestration.plan import module_classes
+    from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the unquantized model's names and shapes; the forms come from the scheme
+    with torch.device("meta"):  # names and shapes only
+        model = AutoModelForCausalLM.from_config(config)
+    metas = [m for m in describe_weights(model) if m.alias_of is None]  # a tied alias is not in a checkpoint
+    quantizer = None
+    if quantization_config:
+        quantizer = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(quantization_config), module_classes(metas))
+    return [ExpectedWeight(m.name, m.shape, quantizer is not None and quantizer.is_quantized(m.name)) for m in metas]
