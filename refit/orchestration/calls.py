@@ -161,6 +161,8 @@ def _resolve(who: str, method: str, ref: Any, timeout_s: float) -> Outcome:
 def _dead(who: str, method: str, error: BaseException) -> BaseException:
     from refit.errors import EngineError
 
-    dead = EngineError(f"{who} died or is unreachable ({method}): {type(error).__name__}")
+    # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    dead = EngineError(f"{who} died or is unreachable ({method}): {type(error).__name__}: {lines[-1] if lines else ''}")
     dead.__cause__ = error
     return dead

@@ -25,11 +25,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ExpectedWeight", "expected_weights"]
+__all__ = ["ExpectedWeight", "expected_weights", "may_stream"]
 
-# Tensors that come with another one, or that the post-refit stage owns.
-_NOT_STREAMED_ALONE = ("weight_scale", "weight_scale_inv", "input_scale", "q_scale", "k_scale", "v_scale", "prob_scale",
-                       "k_zero_point", "v_zero_point", "q_zero_point")
+# Attention KV-cache scales: the post-refit stage owns them, and a trainer
+# that calibrates them itself may stream them too (they are then loaded).
+_OPTIONAL = ("q_scale", "k_scale", "v_scale", "prob_scale")
+# Tensors that come with another one (a quantized weight's scale) or are not loaded at all.
+_NOT_STREAMED_ALONE = ("weight_scale", "weight_scale_inv", "input_scale", "k_zero_point", "v_zero_point", "q_zero_point",
+                       *_OPTIONAL)
+
+
+def may_stream(name: str) -> bool:
+    """A name a trainer may send although the rollout does not require it (an attention KV scale)."""
+    return name.rpartition(".")[2] in _OPTIONAL
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.orchestration.config import QuantizeOn, SyncConfig
-from refit.orchestration.expected_weights import ExpectedWeight, expected_weights
+from refit.orchestration.expected_weights import ExpectedWeight, expected_weights, may_stream
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
@@ -167,7 +167,7 @@ def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutM
     for t in planned:
         weight = expected.get(t.target)
         if weight is None:
-            if not (t.target == _LM_HEAD and rollout_model.tie_word_embeddings):  # the tie's other name
+            if not (t.target == _LM_HEAD and rollout_model.tie_word_embeddings) and not may_stream(t.target):
                 problems.append(f"{t.target}: the rollout's model has no such weight (renamed, or extra in the trainer?)")
         elif weight.shape != t.shape:
             problems.append(f"{t.target}: shape {t.shape} from the trainer, {weight.shape} in the rollout's model")

@@ -24,6 +24,11 @@ def set_parameter(trainer, name: str, value: torch.Tensor) -> None:
         dict(trainer.model.named_parameters())[name].copy_(value)
 
 
+def parameter(trainer, name: str) -> torch.Tensor:
+    """A copy of one trainer parameter."""
+    return trainer.model.get_parameter(name).detach().clone()
+
+
 @torch.no_grad()
 def prompt_logprobs(trainer, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
     """log p(token_i | tokens_<i) for i >= 1, as vLLM's prompt_logprobs reports them."""

@@ -22,7 +22,7 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from refit import Phase
-from tests.support.actors import rss_bytes, run_in, set_parameter
+from tests.support.actors import parameter, rss_bytes, run_in, set_parameter
 from tests.support.checkpoints import write_fewer_layers
 
 SYNCS = int(os.environ.get("REFIT_SOAK_SYNCS", "16"))
@@ -62,7 +62,7 @@ def test_soak(module_actors, tmp_path):
         ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=step).tolist()))
         kind = list(faults)[(step // 4) % len(faults)] if step % 4 == 3 else None
         if kind == "nan":
-            good = ray.get(trainer.__ray_call__.remote(lambda t: t.model.get_parameter(NAN_TARGET).detach().clone()))
+            good = run_in(trainer, parameter, NAN_TARGET)
             bad = good.clone()
             bad[0, 0] = float("nan")
             run_in(trainer, set_parameter, NAN_TARGET, bad)
