@@ -14,7 +14,7 @@ from typing import Any
 
 from refit.errors import SyncTimeoutError
 
-__all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "submit_all", "wait_all"]
+__all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "submit_all", "summary", "wait_all"]
 
 
 def is_actor(target: Any) -> bool:
@@ -71,9 +71,16 @@ def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:
     if failed:
         error = failed[0].error
         for other in failed[1:]:
-            error.add_note(f"also: {other.who}: {other.error!r}")
+            error.add_note(f"also: {other.who}: {summary(other.error)}")
         raise error
     return [o.value for o in outcomes]
+
+
+def summary(error: BaseException) -> str:
+    """`Type: first line of the message`, of the original error behind Ray's wrapper."""
+    cause = getattr(error, "cause", None) or error  # RayTaskError keeps the remote exception as `cause`
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
 class BucketStream:

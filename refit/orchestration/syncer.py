@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.errors import ConfigError, PlanMismatchError
-from refit.orchestration.calls import BucketStream, call_all, raise_first_error, submit_all, wait_all
+from refit.orchestration.calls import BucketStream, call_all, raise_first_error, submit_all, summary, wait_all
 from refit.orchestration.config import SyncConfig
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.orchestration.report import ReplicaReport, SyncReport
@@ -141,7 +141,7 @@ class Syncer:
 
     def _abort(self, sync_id: str, error: BaseException) -> None:
         """Close the update on every replica (bounded); attach what each was left doing to `error`."""
-        reason = f"sync {sync_id} failed: {_summary(error)}"
+        reason = f"sync {sync_id} failed: {summary(error)}"
         outcomes = call_all(self._replicas, "abort_update", sync_id, reason, timeout_s=self.config.timeout_s)
         for outcome in outcomes:
             state = outcome.value if outcome.ok else f"could not be reached to abort ({outcome.error!r})"
@@ -170,9 +170,3 @@ def _check_same_model(infos: list[RolloutModelInfo]) -> None:
                 "(quantization_config or tie_word_embeddings differ); use one Syncer per model"
             )
 
-
-def _summary(error: BaseException) -> str:
-    """`Type: first line of the message`, of the original error behind Ray's wrapper."""
-    cause = getattr(error, "cause", None) or error  # RayTaskError keeps the remote exception as `cause`
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
