@@ -91,3 +91,10 @@ def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
     for _, _, reward, rollout, trainer in rounds:
         assert 0.0 < float(reward) <= 1.0  # sampled completions were scored
         assert abs(float(rollout) - float(trainer)) <= 0.1  # FP8 rollouts serve the trainer's policy
+
+
+@pytest.mark.engine
+def test_demo_runs_the_loop_on_its_own_three_node_cluster_and_prints_provenance():
+    out = run_python(["-m", "examples.demo", "--rounds", "2", "--warmup-steps", "20"])
+    assert re.search(r"2 rounds, versions v1\.\.v2; .* stayed within 0\.\d\d of the trainer's", out), out
+    assert re.search(r"model\.layers\.1\.mlp\.down_proj +weight_scale +refit +2 ", out), out

@@ -285,3 +285,46 @@ def test_a_killed_driver_mid_stream_strands_no_replica(module_actors, trainers, 
         assert state.phase is Phase.REFUSING and "stopped calling" in state.reason, state
     report = refit.Syncer(trainers[1], orphans, FAST).sync()
     assert_serves(orphans, trainers[1], report.version)
+
+
+@ray.remote
+class CorruptingTrainer:
+    """Passes its own checks, then puts an invalid KV scale into bucket 1 (a replica refuses that bucket)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        self.corrupt = True
+        self.streams_closed = 0
+
+    def weight_metadata(self):
+        return refit.describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        from refit.transport.buckets import pack_bucket
+
+        try:
+            for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
+                extra = [("model.layers.0.self_attn.k_scale", torch.tensor([-1.0]))] if self.corrupt and bucket.index == 1 else []
+                yield pack_bucket(bucket.index, bucket.unpack() + extra)
+        finally:
+            self.streams_closed += 1
+
+    def heal(self) -> int:
+        self.corrupt = False
+        return self.streams_closed
+
+
+def test_the_trainer_is_free_at_once_after_a_mid_stream_failure(replicas, trainers, module_actors):
+    """Finding 5: the trainer's generator was never closed and sat on backpressure; a new Syncer hung > 200 s."""
+    trainer = module_actors.keep(CorruptingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(model_dir(True, "bf16"))))
+    config = refit.SyncConfig(bucket_bytes=64 << 10, max_buckets_in_flight=1, timeout_s=20)
+    syncer = refit.Syncer(trainer, replicas, config)
+    with pytest.raises(refit.InvalidTensorError, match=r"model\.layers\.0\.self_attn\.k_scale: streamed scale"):
+        syncer.sync()
+    assert len(syncer.plan().buckets) > 3  # the failure was mid-stream, with buckets still to come
+    assert ray.get(trainer.heal.remote(), timeout=10) == 1  # answered at once: its stream was closed
+    report = syncer.sync()
+    assert all(status(r).served_version == report.version for r in replicas)
