@@ -52,6 +52,14 @@ def save(trainer, directory: str) -> None:
     trainer.model.save_pretrained(directory)
 
 
+def hold_update_lock(rollout, seconds: float) -> None:
+    """Occupy a rollout's update lock for `seconds` (from a timer thread), so its update calls hang."""
+    import threading
+
+    rollout._update_lock.acquire()
+    threading.Timer(seconds, rollout._update_lock.release).start()
+
+
 def node_id(_actor) -> str:
     return ray.get_runtime_context().get_node_id()
 

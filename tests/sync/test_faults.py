@@ -328,3 +328,57 @@ def test_the_trainer_is_free_at_once_after_a_mid_stream_failure(replicas, traine
     assert ray.get(trainer.heal.remote(), timeout=10) == 1  # answered at once: its stream was closed
     report = syncer.sync()
     assert all(status(r).served_version == report.version for r in replicas)
+
+
+@ray.remote
+class StallingTrainer:
+    """Sends its first bucket, then stops answering (a hung trainer)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+
+    def weight_metadata(self):
+        return refit.describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
+            yield bucket
+            time.sleep(3600)
+
+
+def test_a_hung_trainer_fails_the_sync_by_name_within_the_deadline(replicas, trainers, module_actors):
+    stalled = module_actors.keep(StallingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(model_dir(True, "bf16"))))
+    refit.Syncer(trainers[1], replicas, FAST).sync()  # started and serving: the 5 s deadline is about the trainer
+    config = refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=5)
+    syncer = refit.Syncer(stalled, replicas, config)
+    syncer.plan()
+    start = time.monotonic()
+    with pytest.raises(refit.SyncTimeoutError, match="the trainer produced no bucket within 5 s"):
+        syncer.sync()
+    assert time.monotonic() - start < 3 * config.timeout_s
+    assert all(status(r).phase is Phase.REFUSING for r in replicas)  # its first bucket was loaded
+    report = refit.Syncer(trainers[0], replicas, FAST).sync()
+    assert_serves(replicas, trainers[0], report.version)
+
+
+def test_a_hung_replica_fails_the_sync_by_name_and_recovers_by_itself(replicas, trainers):
+    from tests.support.actors import hold_update_lock, run_in
+
+    served = refit.Syncer(trainers[1], replicas, FAST).sync().version
+    run_in(replicas[0], hold_update_lock, 12.0)
+    start = time.monotonic()
+    with pytest.raises(refit.SyncTimeoutError, match=r"rollout 0: begin_update did not answer within 5 s") as error:
+        refit.Syncer(trainers[0], replicas, refit.SyncConfig(timeout_s=5)).sync()
+    assert time.monotonic() - start < 3 * 5
+    assert "rollout 0: could not be reached to abort" in "\n".join(error.value.__notes__)
+    assert status(replicas[1]).phase is Phase.SERVING and status(replicas[1]).served_version == served
+    # Once it answers again, the late begin opens an update nobody drives: its lease closes it.
+    deadline = time.monotonic() + 60
+    while not (status(replicas[0]).phase is Phase.SERVING and status(replicas[0]).served_version == served):
+        assert time.monotonic() < deadline, status(replicas[0])
+        time.sleep(0.5)
+    report = refit.Syncer(trainers[0], replicas, FAST).sync()
+    assert_serves(replicas, trainers[0], report.version)
