@@ -43,6 +43,11 @@ class SyncConfig:
     max_buckets_in_flight: int = 2
     """How far the trainer may run ahead of the slowest replica, in buckets."""
 
+    check_against_rollout: bool = True
+    """Check the plan against the rollout's own weights (names, shapes, FP8 forms) before any byte
+    moves. Turn it off only for a model whose trainer names differ from its checkpoint's and which
+    vLLM maps itself; the engine's check that every weight was loaded still applies."""
+
     timeout_s: float = 120.0
     """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A replica or
     trainer that dies or stops answering fails the sync, naming it, within this time; a replica
@@ -58,6 +63,8 @@ class SyncConfig:
                 problems.append(str(error))
         _check_positive_int(problems, "bucket_bytes", self.bucket_bytes)
         _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight)
+        if not isinstance(self.check_against_rollout, bool):
+            problems.append(f"check_against_rollout={self.check_against_rollout!r}: expected True or False")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             problems.append(f"timeout_s={self.timeout_s!r}: expected a positive number of seconds")
         try:

@@ -152,7 +152,7 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
         planned[target] = PlannedTensor(target, source, meta.shape, meta.dtype, block)
     if problems:
         raise InvalidTensorError("cannot plan the transfer:\n  " + "\n  ".join(problems))
-    if rollout_model.weights is not None:
+    if config.check_against_rollout and rollout_model.weights is not None:
         _check_against_rollout(list(planned.values()), rollout_model)
 
     ordered = [planned[name] for name in _layer_order(list(planned))]
@@ -183,6 +183,7 @@ def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutM
         raise PlanMismatchError(
             f"the trainer's weights do not match the rollout's model ({len(problems)} problem(s)); nothing was sent:\n  "
             + "\n  ".join(problems)
+            + "\n(if vLLM maps these names itself, SyncConfig(check_against_rollout=False) skips this check)"
         )
 
 

@@ -146,6 +146,14 @@ def test_every_mismatch_with_the_rollouts_weights_is_reported_together_before_an
     assert "model.layers.1.mlp.down_proj.weight: shape (256, 384) from the trainer, (256, 512) in the rollout's model" in message
 
 
+def test_the_check_can_be_turned_off_for_names_vllm_maps_itself():
+    metas = [m for m in describe_weights(trainer_model(tied=False)) if m.name != "model.norm.weight"]
+    with pytest.raises(PlanMismatchError, match="check_against_rollout=False"):
+        make_plan(metas, checked(False, from_files=True), config(1 << 20))
+    unchecked = SyncConfig(bucket_bytes=1 << 20, check_against_rollout=False)
+    assert "model.norm.weight" not in {t.target for t in make_plan(metas, checked(False, from_files=True), unchecked).tensors}
+
+
 def test_bf16_where_the_rollout_expects_fp8_is_refused():
     """A rollout checkpoint quantized where the config's scheme would not (or the reverse) cannot be fed."""
     info = checked(False, from_files=True)
