@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import ray
 
+from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
@@ -38,6 +39,7 @@ _WATCHDOG_PERIOD_S = 0.5
 @ray.remote(concurrency_groups={"update": 1, "serve": 1, "observe": 1})
 class RolloutActor:
     def __init__(self, config: EngineConfig) -> None:
+        show_refit_logs()
         self.engine = RolloutEngine(config)
         refusal = None
         if config.load_format == "dummy":

@@ -14,11 +14,12 @@ Run: `make demo` (installs what it needs first).
 from __future__ import annotations
 
 import argparse
+import logging
 
 import ray
 
 from examples.rl_loop import run, start_actors
-from fixtures.cluster import local_cluster
+from fixtures.cluster import QUIET_ENV, local_cluster
 
 
 def main() -> None:
@@ -27,7 +28,11 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=60)
     args = parser.parse_args()
 
-    with local_cluster(nodes=3):
+    # refit's own lines (one per sync, and any failure) on the driver and from the actors;
+    # vLLM's start-up warnings, harmless on this CPU set-up, are kept out.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("refit").setLevel(logging.INFO)
+    with local_cluster(nodes=3, env={**QUIET_ENV, "VLLM_LOGGING_LEVEL": "ERROR"}):
         pin = [{"num_cpus": 0, "resources": {f"node{n}": 0.01}} for n in range(3)]
         trainer, rollouts = start_actors(2, pin[0], pin[1:])
         history = run(trainer, rollouts, rounds=args.rounds, prompts_per_round=16, group=8, warmup_steps=args.warmup_steps)

@@ -23,6 +23,7 @@ object closes the update (`expired`), so no replica is stranded.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,8 @@ from enum import StrEnum
 from refit.errors import LifecycleError, ReplicaRefusingError, SyncTimeoutError
 
 __all__ = ["Phase", "ReplicaStatus", "UpdateLifecycle"]
+
+log = logging.getLogger("refit.engine")
 
 
 class Phase(StrEnum):
@@ -120,6 +123,7 @@ class UpdateLifecycle:
                     "did not start and the replica keeps serving (raise SyncConfig.timeout_s for long requests)"
                 )
             self._highest_version = proposed
+            log.debug("sync %s: update began (version >= %d; was %s)", sync_id, proposed, resume)
             return proposed
 
     def loading(self, sync_id: str, version: int) -> None:
@@ -151,6 +155,7 @@ class UpdateLifecycle:
             self._status = ReplicaStatus(Phase.SERVING, version)
             self._highest_version = max(self._highest_version, version)
             self._cond.notify_all()
+            log.debug("sync %s: serving v%d", sync_id, version)
 
     def failed(self, sync_id: str, reason: str, *, model_changed: bool | None = None) -> ReplicaStatus:
         """Close `sync_id`'s update after a failure (a no-op if it holds none); returns the new status.
@@ -170,6 +175,8 @@ class UpdateLifecycle:
                 self._status = update.resume
             self._update = None
             self._cond.notify_all()
+            log.warning("sync %s: update to v%d closed after %d bucket(s) (%s); now %s",
+                        sync_id, update.proposed_version, update.buckets_loaded, reason, self._status)
             return self._status
 
     def open_update(self) -> str | None:

@@ -27,6 +27,7 @@ resulting state attached as notes.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,6 +41,8 @@ from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 
 __all__ = ["Syncer", "sync"]
+
+log = logging.getLogger("refit.orchestration")
 
 
 class Syncer:
@@ -91,11 +94,16 @@ class Syncer:
         try:
             proposals = raise_first_error(call_all(self._replicas, "begin_update", plan, sync_id, self.config, timeout_s=timeout))
             version = max(proposals)
+            log.debug("sync %s v%d: began on %d replica(s)", sync_id, version, len(self.rollouts))
             load_seconds = self._stream(plan, sync_id, version)
+            log.debug("sync %s v%d: streamed %d bucket(s), %.1f MiB per replica, in %.3f s",
+                     sync_id, version, len(plan.buckets), plan.wire_bytes / 2**20, time.perf_counter() - start)
             finished = raise_first_error(call_all(self._replicas, "finish_update", sync_id, version, timeout_s=timeout))
         except BaseException as error:
             self._abort(sync_id, error)
+            log.warning("sync %s failed: %s\n  %s", sync_id, summary(error), "\n  ".join(getattr(error, "__notes__", [])))
             raise
+        log.info("sync %s v%d: every replica serves it (%.3f s)", sync_id, version, time.perf_counter() - start)
 
         nodes = raise_first_error(call_all(self._replicas, "node_id", timeout_s=timeout))
         return SyncReport(

@@ -1,0 +1,23 @@
+"""refit's log lines in an actor process, where no one else configures logging.
+
+Ray forwards an actor's stderr to the driver, prefixed with the actor's
+name, but Python prints nothing below WARNING without a handler. The level
+comes from `REFIT_LOG_LEVEL` (default INFO); a handler the user installed
+first is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def show_refit_logs() -> None:
+    logger = logging.getLogger("refit")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("REFIT_LOG_LEVEL", "INFO"))
+    logger.propagate = False

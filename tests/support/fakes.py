@@ -1,0 +1,122 @@
+"""Plain-Python stand-ins for a trainer and rollout replicas, for the fast tier.
+
+The fake replica keeps the real `UpdateLifecycle` and loads into a dict, so
+tests of `Syncer` exercise its own flow without Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refit import EngineError, SyncConfig
+from refit.engine.lifecycle import UpdateLifecycle
+from refit.orchestration import RolloutModelInfo, describe_weights, loadable_tensors, produce_buckets
+
+FP8_BLOCK = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "symmetric": True, "dynamic": False, "block_structure": [128, 128],
+    }}},
+    "ignore": ["lm_head"],
+}
+
+
+def tiny_decoder(layers: int = 3, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.embed_tokens = torch.nn.Embedding(64, 256)
+    root.model.layers = torch.nn.ModuleList()
+    for _ in range(layers):
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        block.mlp.down_proj = torch.nn.Linear(256, 256, bias=False)
+        root.model.layers.append(block)
+    root.model.norm = torch.nn.RMSNorm(256)
+    root.lm_head = torch.nn.Linear(256, 64, bias=False)
+    return root.to(torch.bfloat16)
+
+
+class FakeTrainer:
+    def __init__(self, model: torch.nn.Module, fail_at_bucket: int | None = None) -> None:
+        self.model = model
+        self.fail_at_bucket = fail_at_bucket
+        self.streams_closed = 0
+
+    def weight_metadata(self):
+        return describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        try:
+            for index, bucket in enumerate(produce_buckets(plan, dict(self.model.named_parameters()).__getitem__)):
+                if index == self.fail_at_bucket:
+                    raise RuntimeError(f"trainer fault at bucket {index}")
+                yield bucket
+        finally:
+            self.streams_closed += 1
+
+
+class FakeReplica:
+    """A replica whose engine is a dict; `fail` maps a step to the exception it raises there."""
+
+    def __init__(self, expected: set[str], **fail: BaseException) -> None:
+        self.lifecycle = UpdateLifecycle()
+        self.expected = expected
+        self.weights: dict[str, torch.Tensor] = {}
+        self.fail = fail
+        self._pending: dict[str, torch.Tensor] = {}
+        self._plan = None
+        self.buckets_seen = 0
+
+    def describe(self):
+        return RolloutModelInfo(FP8_BLOCK, False)
+
+    def status(self):
+        return self.lifecycle.status()
+
+    def node_id(self):
+        return "fake-node"
+
+    def begin_update(self, plan, sync_id, config):
+        self._raise("begin")
+        version = self.lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
+        self._plan, self._pending = plan, {}
+        return version
+
+    def load_bucket(self, sync_id, version, bucket):
+        self.lifecycle.loading(sync_id, version)
+        self.buckets_seen += 1
+        if self.buckets_seen == self.fail.get("at_bucket"):
+            raise EngineError(f"loader fault at bucket {bucket.index}")
+        self._pending.update(loadable_tensors(self._plan, bucket))
+        return 0.0
+
+    def finish_update(self, sync_id, version):
+        self.lifecycle.renew(sync_id, "finish_update")
+        missing = self.expected - set(self._pending)
+        if missing:
+            raise EngineError(f"the update left weights unloaded: {sorted(missing)}")
+        self._raise("finish")
+        self.weights.update(self._pending)
+        self.lifecycle.finished(sync_id, version)
+        return 0.0, []
+
+    def abort_update(self, sync_id, reason):
+        return self.lifecycle.failed(sync_id, reason)
+
+    def _raise(self, step: str) -> None:
+        if isinstance(self.fail.get(step), BaseException):
+            raise self.fail[step]
+
+
+def expected_names(model) -> set[str]:
+    names = {n for n, _ in model.named_parameters()}
+    return names | {n + "_scale" for n in names if n.endswith("down_proj.weight")}
+
+
+CONFIG = SyncConfig(bucket_bytes=100_000, timeout_s=5)
+
+
+def setup(replicas: int = 2, **fail):
+    model = tiny_decoder()
+    return FakeTrainer(model), [FakeReplica(expected_names(model), **(fail if i == 0 else {})) for i in range(replicas)]
