@@ -382,3 +382,22 @@ def test_a_hung_replica_fails_the_sync_by_name_and_recovers_by_itself(replicas, 
         time.sleep(0.5)
     report = refit.Syncer(trainers[0], replicas, FAST).sync()
     assert_serves(replicas, trainers[0], report.version)
+
+
+def test_a_replica_killed_mid_stream_fails_the_sync_and_the_survivors_recover(replicas, trainers, module_actors):
+    doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    syncer = refit.Syncer(trainers[0], [*replicas, doomed],
+                          refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20))
+    syncer.sync()  # all three started and serving
+    threading.Timer(0.2, lambda: ray.kill(doomed)).start()
+    start = time.monotonic()
+    with pytest.raises(refit.EngineError, match="rollout 2 died") as error:
+        for _ in range(50):  # one of these is cut by the kill
+            syncer.sync()
+    assert time.monotonic() - start < 60
+    notes = "\n".join(error.value.__notes__)
+    assert "rollout 2: could not be reached to abort" in notes
+    for survivor in replicas:
+        assert status(survivor).phase in (Phase.SERVING, Phase.REFUSING)  # whole, or refusing: never half-served
+    report = refit.Syncer(trainers[1], replicas, FAST).sync()
+    assert_serves(replicas, trainers[1], report.version)
