@@ -47,6 +47,8 @@ class RolloutActor:
         self._lifecycle = UpdateLifecycle(refusal=refusal)
         self._update_lock = threading.Lock()  # update steps vs the watchdog
         self._open: dict[str, tuple[TransferPlan, SyncConfig]] = {}
+        self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open update
+        self._last_update: dict | None = None  # what `refit inspect` shows
         threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
 
     # -- observation ("observe": never waits for an update or a request) -----
@@ -62,6 +64,11 @@ class RolloutActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    @ray.method(concurrency_group="observe")
+    def last_update(self) -> dict | None:
+        """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written."""
+        return self._last_update
+
     # -- update lifecycle ("update": one thread, submission order) ------------
     @ray.method(concurrency_group="update")
     def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
@@ -76,6 +83,7 @@ class RolloutActor:
                 self._close(sync_id, f"starting the reload failed: {error!r}")
                 raise
             self._open = {sync_id: (plan, config)}
+            self._progress = {"buckets": 0, "load_seconds": 0.0}
             return version
 
     @ray.method(concurrency_group="update")
@@ -88,7 +96,10 @@ class RolloutActor:
             self._lifecycle.loading(sync_id, version)
             start = time.perf_counter()
             self.engine.load(loadable_tensors(plan, bucket), version)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self._progress["buckets"] += 1
+            self._progress["load_seconds"] += seconds
+            return seconds
 
     @ray.method(concurrency_group="update")
     def finish_update(self, sync_id: str, version: int) -> tuple[float, list[str]]:
@@ -105,7 +116,9 @@ class RolloutActor:
                 raise
             self._open.clear()
             self._lifecycle.finished(sync_id, version)
-            return time.perf_counter() - start, written
+            seconds = time.perf_counter() - start
+            self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written)
+            return seconds, written
 
     @ray.method(concurrency_group="update")
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
@@ -121,7 +134,14 @@ class RolloutActor:
             self.engine.abandon_update()
         except BaseException as error:  # layers may be left in loadable form: never serve them
             reason, model_changed = f"{reason}; closing the reload failed too: {error!r}", True
-        return self._lifecycle.failed(sync_id, reason, model_changed=model_changed)
+        status = self._lifecycle.failed(sync_id, reason, model_changed=model_changed)
+        self._record(sync_id, None, f"failed: {reason}")
+        return status
+
+    def _record(self, sync_id: str, version: int | None, outcome: str, **extra) -> None:
+        self._last_update = {
+            "sync_id": sync_id, "version": version, "outcome": outcome, "at": time.time(), **self._progress, **extra,
+        }
 
     def _watch_leases(self) -> None:
         while True:

@@ -1,7 +1,9 @@
-"""`refit` on the command line: see what a sync would send, without starting anything.
+"""`refit` on the command line.
 
     refit plan TRAINER_CHECKPOINT ROLLOUT_CHECKPOINT [--bucket-mib N] [--quantize-on trainer|rollout]
+    refit inspect [--address ADDRESS] [--json]
 
+`plan` shows what a sync would send, without starting anything: it
 reads both config.json files (the trainer's model is built on the meta
 device, for names, shapes and module classes) and the rollout checkpoint's
 safetensors headers, checks the plan against the rollout's weights as a
@@ -9,6 +11,11 @@ sync would, and prints every tensor the rollout would receive: its source,
 shape, whether it is FP8_BLOCK-quantized, its bucket, and the bytes on the
 wire. Bad input, or a mismatch, is an error message naming every tensor and
 exit status 1, never a traceback.
+
+`inspect` connects to a running Ray cluster and shows every named rollout
+replica (`RolloutActor.options(name=...)`): its status (serving which
+version, updating, or refusing and why), its last update, and where each of
+its scales came from. `--json` prints the same as JSON.
 """
 
 from __future__ import annotations
@@ -28,11 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("rollout", type=Path, help="checkpoint directory the rollout engine was started from")
     plan.add_argument("--bucket-mib", type=float, default=64.0)
     plan.add_argument("--quantize-on", choices=("trainer", "rollout"), default="trainer")
+    inspect = commands.add_parser("inspect", help="show the named rollout replicas of a running Ray cluster")
+    inspect.add_argument("--address", default="auto", help="the cluster's address (default: the one this machine runs)")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
 
     from refit.errors import RefitError
 
     try:
+        if args.command == "inspect":
+            return _inspect(args.address, args.json)
         return _print_plan(args.trainer, args.rollout, int(args.bucket_mib * 2**20), args.quantize_on)
     except RefitError as error:
         print(f"refit: {error}", file=sys.stderr)
@@ -67,6 +79,49 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
                 f"{t.wire_bytes(config.quantize_on):>10}"
             )
     print(f"\n{len(plan.tensors)} tensors in {len(plan.buckets)} buckets, {plan.wire_bytes / 2**20:.2f} MiB per sync")
+    return 0
+
+
+def _inspect(address: str, as_json: bool) -> int:
+    import json
+    import logging
+    from dataclasses import asdict
+
+    import ray
+
+    from refit.errors import ConfigError
+    from refit.protocols import has_method
+    from refit.provenance import format_table
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        except (ConnectionError, ValueError) as error:
+            raise ConfigError(f"no Ray cluster at address={address!r} ({error}); pass --address HOST:PORT") from error
+    replicas = []  # (namespace/name, node id, status, last update, scale records)
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
+        if not all(has_method(handle, m) for m in ("status", "last_update", "scale_records", "node_id")):
+            continue  # not a rollout replica
+        calls = [handle.node_id.remote(), handle.status.remote(), handle.last_update.remote(), handle.scale_records.remote()]
+        replicas.append((f"{entry['namespace']}/{entry['name']}", *ray.get(calls, timeout=60)))
+
+    if as_json:
+        print(json.dumps([
+            {"name": name, "node_id": node, "status": {**asdict(status), "phase": str(status.phase)}, "last_update": last,
+             "scales": [{**asdict(r), "source": str(r.source)} for r in records]}
+            for name, node, status, last, records in replicas
+        ], indent=1))
+        return 0
+    if not replicas:
+        print("no named rollout replicas on this cluster; create them with RolloutActor.options(name=...)")
+    for name, node, status, last, records in replicas:
+        update = "none yet" if last is None else (
+            f"sync {last['sync_id']} {last['outcome']}" + (f" as v{last['version']}" if last["version"] else "")
+            + f", {last['buckets']} bucket(s), load {last['load_seconds']:.3f} s"
+        )
+        print(f"{name} on node {node[:8]}: {status}; last update: {update}")
+        print(format_table(records) + "\n")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`refit plan`: what a sync would send, from two checkpoints, nothing started."""
+"""`refit plan` (what a sync would send, nothing started) and `refit inspect` (a running cluster's replicas)."""
 
 import json
 import shutil
@@ -40,3 +40,38 @@ def test_plan_with_a_missing_path_is_an_error_not_a_traceback(tmp_path, capsys):
 def test_plan_with_a_bad_bucket_size_names_the_setting(capsys):
     assert main(["plan", str(model_dir(True, "bf16")), str(model_dir(True, "fp8_block")), "--bucket-mib", "0"]) == 1
     assert "bucket_bytes=0" in capsys.readouterr().err
+
+
+def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, ray_cluster):
+    """Run as a user would, from another process on the cluster's machine."""
+    import subprocess
+    import sys
+
+    import ray
+
+    import refit
+
+    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    rollout = module_actors.rollout(model_dir(True, "fp8_block"), name="inspected", load_format="dummy",
+                                    kv_cache_dtype="fp8_e4m3")
+    report = refit.sync(trainer, rollout)
+    ray.get(rollout.status.remote())
+
+    def inspect(*flags: str) -> str:
+        command = [sys.executable, "-m", "refit.cli", "inspect", "--address", ray_cluster.address, *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    shown = {r["name"]: r for r in json.loads(inspect("--json"))}
+    mine = shown["refit-tests/inspected"]
+    assert mine["status"] == {"phase": "serving", "served_version": report.version, "reason": None, "sync_id": None}
+    assert mine["last_update"]["outcome"] == "served" and mine["last_update"]["version"] == report.version
+    assert mine["last_update"]["buckets"] == report.buckets
+    sources = {(s["module"], s["scale"]): s["source"] for s in mine["scales"]}
+    assert sources[("model.layers.0.self_attn.attn", "k_scale")] == "default"
+    assert sources[("model.layers.0.mlp.down_proj", "weight_scale")] == "refit"
+
+    text = inspect()
+    assert "refit-tests/inspected on node" in text and f"serving v{report.version}" in text
+    assert "model.layers.1.self_attn.attn" in text
