@@ -23,7 +23,8 @@ from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
-from refit.errors import EngineError, SyncTimeoutError
+from refit.errors import SyncTimeoutError
+from refit.orchestration.calls import remote_error
 from refit.orchestration.config import SyncConfig
 from refit.orchestration.data_path import loadable_tensors
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
@@ -46,7 +47,7 @@ class RolloutActor:
             refusal = "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
         self._lifecycle = UpdateLifecycle(refusal=refusal)
         self._update_lock = threading.Lock()  # update steps vs the watchdog
-        self._open: dict[str, tuple[TransferPlan, SyncConfig]] = {}
+        self._open: tuple[TransferPlan, SyncConfig] | None = None  # of the update the lifecycle holds open
         self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open update
         self._last_update: dict | None = None  # what `refit inspect` shows
         threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
@@ -82,7 +83,7 @@ class RolloutActor:
             except BaseException as error:
                 self._close(sync_id, f"starting the reload failed: {error!r}")
                 raise
-            self._open = {sync_id: (plan, config)}
+            self._open = (plan, config)
             self._progress = {"buckets": 0, "load_seconds": 0.0}
             return version
 
@@ -91,7 +92,7 @@ class RolloutActor:
         """Fetch and load one bucket; returns seconds spent loading."""
         with self._update_lock:
             self._lifecycle.renew(sync_id, "load_bucket")
-            plan, config = self._open[sync_id]
+            plan, config = self._open
             bucket = _fetch(bucket, config.timeout_s)
             self._lifecycle.loading(sync_id, version)
             start = time.perf_counter()
@@ -107,14 +108,14 @@ class RolloutActor:
         with self._update_lock:
             self._lifecycle.renew(sync_id, "finish_update")
             start = time.perf_counter()
-            _, config = self._open[sync_id]
+            _, config = self._open
             self.engine.finish_update()  # refuses an incomplete update; the sync then aborts it
             try:
                 written = self.engine.apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
             except BaseException as error:
                 self._close(sync_id, f"the post-refit KV-scale stage failed: {error}", model_changed=True)
                 raise
-            self._open.clear()
+            self._open = None
             self._lifecycle.finished(sync_id, version)
             seconds = time.perf_counter() - start
             self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written)
@@ -129,7 +130,7 @@ class RolloutActor:
     def _close(self, sync_id: str, reason: str, *, model_changed: bool | None = None) -> ReplicaStatus:
         if self._lifecycle.open_update() != sync_id:
             return self._lifecycle.status()
-        self._open.clear()
+        self._open = None
         try:
             self.engine.abandon_update()
         except BaseException as error:  # layers may be left in loadable form: never serve them
@@ -183,9 +184,7 @@ def _fetch(bucket: WireBucket | list[ray.ObjectRef], timeout_s: float) -> WireBu
         return bucket
     try:
         return ray.get(bucket[0], timeout=timeout_s)
-    except ray.exceptions.RayTaskError as error:  # the trainer raised (a refused tensor, ...): its error, unwrapped
-        raise error.as_instanceof_cause() from None
-    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as error:
-        raise EngineError(f"the trainer died or lost its bucket while streaming: {type(error).__name__}") from error
     except ray.exceptions.GetTimeoutError:
         raise SyncTimeoutError(f"fetching a bucket from the trainer took over {timeout_s:.0f} s (SyncConfig.timeout_s)") from None
+    except Exception as error:  # the trainer raised (a refused tensor, ...) or is gone
+        raise remote_error(error, "the trainer", "stream_buckets") from None

@@ -14,7 +14,7 @@ from typing import Any
 
 from refit.errors import SyncTimeoutError
 
-__all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "submit_all", "summary", "wait_all"]
+__all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "remote_error", "submit_all", "summary", "wait_all"]
 
 
 def is_actor(target: Any) -> bool:
@@ -157,19 +157,22 @@ def _resolve(who: str, method: str, ref: Any, timeout_s: float) -> Outcome:
         ))
     try:
         return Outcome(who, ray.get(ref))
-    except ray.exceptions.RayTaskError as error:
-        return Outcome(who, error=error.as_instanceof_cause())
-    except ray.exceptions.RayActorError as error:
-        return Outcome(who, error=_dead(who, method, error))
     except Exception as error:
-        return Outcome(who, error=error)
+        return Outcome(who, error=remote_error(error, who, method))
 
 
-def _dead(who: str, method: str, error: BaseException) -> BaseException:
+def remote_error(error: Exception, who: str, method: str) -> Exception:
+    """What a failed `ray.get` of `who`'s `method` means: the remote exception itself, or that `who` is gone."""
+    import ray
+
     from refit.errors import EngineError
 
-    # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    dead = EngineError(f"{who} died or is unreachable ({method}): {type(error).__name__}: {lines[-1] if lines else ''}")
-    dead.__cause__ = error
-    return dead
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return error.as_instanceof_cause()
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
+        # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        gone = EngineError(f"{who} died or is unreachable ({method}): {type(error).__name__}: {lines[-1] if lines else ''}")
+        gone.__cause__ = error
+        return gone
+    return error
