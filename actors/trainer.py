@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 import ray
 import torch
 
-from refit.orchestration.data_path import describe_weights, produce_buckets
+from refit.orchestration.checkpoint_format import CheckpointView
+from refit.orchestration.data_path import produce_buckets
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.transport.buckets import WireBucket
 
@@ -39,12 +40,12 @@ class TrainerActor:
 
     # -- weight source protocol ------------------------------------------------
     def weight_metadata(self) -> list[TensorMeta]:
-        return describe_weights(self.model)
+        return CheckpointView(self.model).metadata()
 
     def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
         self._stream_seconds = 0.0
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        buckets = produce_buckets(plan, params.__getitem__)
+        # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
+        buckets = produce_buckets(plan, CheckpointView(self.model).tensor)
         while True:
             start = time.perf_counter()
             bucket = next(buckets, None)

@@ -17,7 +17,10 @@ Words used throughout:
 - *engine*: the `vllm.LLM` inside a replica (`refit.engine.rollout_engine.RolloutEngine`);
 - *loadable form*: the tensors vLLM's loaders take for a weight (for FP8_BLOCK:
   FP8 `weight` plus `weight_scale`, as an llmcompressor checkpoint holds them);
-- *checkpoint*: a model directory on disk, and nothing else.
+- *checkpoint*: a model directory on disk, and nothing else;
+- *checkpoint format*: the names and shapes a checkpoint of the model holds,
+  which is what vLLM's loaders take (MoE experts one by one, where transformers
+  fuses them in memory; `refit.CheckpointView` maps one to the other).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ _LAZY = {
     "TensorMeta": "refit.orchestration",
     "TransferPlan": "refit.orchestration",
     "describe_weights": "refit.orchestration",
+    "checkpoint_tensors": "refit.orchestration",
+    "CheckpointView": "refit.orchestration",
     "produce_buckets": "refit.orchestration",
     "WireBucket": "refit.transport.buckets",
     "RolloutModelInfo": "refit.orchestration",

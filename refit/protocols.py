@@ -31,11 +31,16 @@ class WeightSource(Protocol):
     """
 
     def weight_metadata(self) -> list[TensorMeta]:
-        """Every parameter's name, shape, dtype and module classes, no data (`refit.describe_weights`)."""
+        """Every tensor's name, shape, dtype and module classes in checkpoint format, no data.
+
+        `refit.describe_weights(model)` gives it for a torch model (fused MoE
+        experts as the per-expert tensors a checkpoint holds). A rank of a
+        sharded trainer may report only the names it holds.
+        """
         ...
 
     def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
-        """A generator of the plan's buckets in plan order (`refit.produce_buckets`).
+        """A generator of the plan's buckets in plan order (`refit.produce_buckets(plan, refit.checkpoint_tensors(model))`).
 
         Called with Ray's `num_returns="streaming"`: the trainer runs at most
         `max_buckets_in_flight` buckets ahead. The stream is closed (the

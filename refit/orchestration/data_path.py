@@ -14,28 +14,12 @@ import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.orchestration.config import QuantizeOn
-from refit.orchestration.plan import TensorMeta, TransferPlan
+from refit.orchestration.plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer.fp8_block import is_finite, loadable_form
 from refit.transport.buckets import WireBucket, pack_bucket
 
-__all__ = ["describe_weights", "loadable_tensors", "produce_buckets"]
-
-
-def describe_weights(model: torch.nn.Module) -> list[TensorMeta]:
-    """Metadata of every parameter of a torch model, tied ones as aliases."""
-    modules = dict(model.named_modules())
-    first_name: dict[int, str] = {}
-    metas = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owner = modules[name.rpartition(".")[0]]
-        classes = tuple(c.__name__ for c in type(owner).__mro__)
-        alias_of = first_name.setdefault(id(param), name)
-        metas.append(TensorMeta(
-            name, tuple(param.shape), str(param.dtype).removeprefix("torch."), classes,
-            alias_of if alias_of != name else None,
-        ))
-    return metas
+__all__ = ["loadable_tensors", "produce_buckets"]
 
 
 def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Iterator[WireBucket]:

@@ -76,7 +76,7 @@ def _from_config(model_dir: Path, quantization_config: dict | None) -> list[Expe
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from refit.orchestration.data_path import describe_weights
+    from refit.orchestration.checkpoint_format import describe_weights
     from refit.orchestration.plan import module_classes
     from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 

@@ -10,7 +10,7 @@ import torch
 
 from refit import EngineError, SyncConfig
 from refit.engine.lifecycle import UpdateLifecycle
-from refit.orchestration import RolloutModelInfo, describe_weights, loadable_tensors, produce_buckets
+from refit.orchestration import RolloutModelInfo, checkpoint_tensors, describe_weights, loadable_tensors, produce_buckets
 
 FP8_BLOCK = {
     "quant_method": "compressed-tensors",
@@ -48,7 +48,7 @@ class FakeTrainer:
 
     def stream_buckets(self, plan):
         try:
-            for index, bucket in enumerate(produce_buckets(plan, dict(self.model.named_parameters()).__getitem__)):
+            for index, bucket in enumerate(produce_buckets(plan, checkpoint_tensors(self.model))):
                 if index == self.fail_at_bucket:
                     raise RuntimeError(f"trainer fault at bucket {index}")
                 yield bucket

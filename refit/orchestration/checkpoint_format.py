@@ -1,0 +1,157 @@
+"""A trainer's model seen in its checkpoint format: the names, shapes and tensors a rollout loads.
+
+Why this exists: a trainer holds its model as transformers builds it in
+memory, and since transformers 5 that is not always the checkpoint's layout.
+Mixture-of-experts blocks keep their experts fused in 3-D parameters
+(`mlp.experts.gate_up_proj` [E, 2*I, H], `mlp.experts.down_proj` [E, H, I]),
+while checkpoints, llmcompressor and vLLM's loaders know them per expert as
+2-D weights (`mlp.experts.{e}.gate_proj.weight`, each its own FP8_BLOCK
+tensor with its own scale). transformers converts on save:
+`save_pretrained` applies `revert_weight_conversion`, the inverse of the
+conversion mapping registered for the model type. refit applies that same
+function, so every model transformers can save is sent in the layout its
+checkpoint has, and nothing transformers knows is written again here.
+
+The conversion runs once, on the meta device (no data), on a probe whose
+`contiguous()` is a no-op: the pieces then come out as views of the
+parameter (each expert's slice of `gate_up_proj` is an offset and strides
+into it), and refit reads them as such views of the live parameter. So
+building a bucket never copies a layer's experts (transformers' own
+conversion makes each piece contiguous, a copy of the whole fused tensor);
+only the pieces a bucket holds are quantized or packed. A conversion that
+computes new values instead of slicing, or needs several parameters
+together, is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from refit.errors import PlanMismatchError
+from refit.orchestration.plan import TensorMeta
+
+__all__ = ["CheckpointView", "checkpoint_tensors", "describe_weights"]
+
+# The modules transformers' save conversion creates (one expert's gate, up or
+# down projection) are Linear layers in the checkpoint format: llmcompressor
+# quantizes them as Linear, and vLLM matches a "Linear" target against its
+# fused experts too (`_add_fused_moe_to_target_scheme_map`).
+_CONVERTED_MODULE_CLASSES = ("Linear",)
+
+
+class _Piece(NamedTuple):
+    """Where a checkpoint tensor lies inside its (contiguous) parameter."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _ViewProbe(torch.Tensor):
+    """A meta tensor whose `contiguous()` returns itself, so conversion pieces stay views of it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206 (torch's protocol)
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class CheckpointView:
+    """A model's parameters under their checkpoint names and shapes, as metadata and as tensors.
+
+    `metadata()` is what a weight source reports (`WeightSource.weight_metadata`);
+    `tensor(name)` is the lookup `produce_buckets` reads values through. Works on
+    any `torch.nn.Module`; models transformers has no save conversion for are
+    seen as they are.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._sources: dict[str, str] = {}  # checkpoint name -> the parameter it is, or is a piece of
+        self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
+        self._metas: list[TensorMeta] = []
+        self._describe()
+
+    def metadata(self) -> list[TensorMeta]:
+        return list(self._metas)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""
+        param = self._params[self._sources[name]]
+        piece = self._pieces.get(name)
+        if piece is None:
+            return param
+        if not param.is_contiguous():  # the offsets and strides were learnt on a contiguous probe
+            raise PlanMismatchError(f"{self._sources[name]}: not contiguous, so refit cannot read {name} as a view of it")
+        return param.detach().as_strided(piece.shape, piece.stride, piece.offset)
+
+    def _describe(self) -> None:
+        """Metadata in checkpoint form: parameters the conversion leaves alone as they are, the others in pieces.
+
+        The whole model is converted once on the meta device (no data); only
+        parameters it renames or reshapes are converted again one by one, to
+        learn which pieces each one gives.
+        """
+        modules = dict(self._model.named_modules())
+        meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self._params.items()}
+        whole = {n: tuple(t.shape) for n, t in _revert(self._model, meta).items()}
+        first_name: dict[int, str] = {}
+        for name, param in self._params.items():
+            alias_of = first_name.setdefault(id(param), name)
+            dtype = str(param.dtype).removeprefix("torch.")
+            if whole.get(name) == tuple(param.shape):
+                classes = tuple(c.__name__ for c in type(modules[name.rpartition(".")[0]]).__mro__)
+                self._add(TensorMeta(name, tuple(param.shape), dtype, classes, alias_of if alias_of != name else None), name)
+                continue
+            if alias_of != name:
+                raise PlanMismatchError(f"{name}: a tied parameter that transformers converts on save; refit cannot send it")
+            probe = meta[name].as_subclass(_ViewProbe)
+            for piece, value in _revert(self._model, {name: probe}).items():
+                if not torch._C._is_alias_of(value, probe):
+                    raise PlanMismatchError(
+                        f"{name}: transformers' save conversion computes {piece} from it instead of slicing it, "
+                        "which refit does not do"
+                    )
+                self._pieces[piece] = _Piece(tuple(value.shape), tuple(value.stride()), value.storage_offset())
+                self._add(TensorMeta(piece, tuple(value.shape), dtype, _CONVERTED_MODULE_CLASSES), name)
+        ours = {m.name: m.shape for m in self._metas}
+        if ours != whole:
+            differ = sorted(set(ours.items()) ^ set(whole.items()))
+            raise PlanMismatchError(
+                "transformers' save conversion of this model needs several parameters at once, which refit "
+                f"does not do; names or shapes that differ: {differ[:6]}"
+            )
+
+    def _add(self, meta: TensorMeta, source: str) -> None:
+        if meta.name in self._sources:
+            raise PlanMismatchError(
+                f"{meta.name}: made from both {self._sources[meta.name]} and {source} by transformers' save "
+                "conversion; refit converts each parameter on its own and cannot send this model"
+            )
+        self._sources[meta.name] = source
+        self._metas.append(meta)
+
+
+def describe_weights(model: torch.nn.Module) -> list[TensorMeta]:
+    """Metadata of every tensor of a torch model in its checkpoint format, tied ones as aliases."""
+    return CheckpointView(model).metadata()
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> Callable[[str], torch.Tensor]:
+    """The lookup of a model's checkpoint-format tensors by name, for `produce_buckets`."""
+    return CheckpointView(model).tensor
+
+
+def _revert(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' save-time conversion of `state`; the identity for models it has none for."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not isinstance(model, PreTrainedModel):
+        return state
+    return revert_weight_conversion(model, state)

@@ -1,0 +1,144 @@
+"""Trainer models in the rollout's checkpoint format, and MoE plans checked against the rollout. No Ray, no engine.
+
+The MoE trainer is the fixture's Qwen3-MoE as transformers 5 holds it (fused
+3-D experts); the rollout side is llmcompressor's FP8_BLOCK checkpoint of it
+(per-expert FP8 weights), so both layouts are the real ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fixtures import model_dir
+from refit.errors import PlanMismatchError
+from refit.orchestration import CheckpointView, RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, make_plan, produce_buckets
+from refit.quantizer.fp8_block import dequantize_fp8_block
+
+MOE = dict(tied=False, arch="qwen3_moe")
+EXPERTS = 4
+
+
+def moe_trainer(**config_changes) -> torch.nn.Module:
+    if not config_changes:
+        return AutoModelForCausalLM.from_pretrained(model_dir(variant="bf16", **MOE), dtype=torch.bfloat16)
+    config = AutoConfig.from_pretrained(model_dir(variant="bf16", **MOE))
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def moe_rollout(*, from_files: bool = True) -> RolloutModelInfo:
+    return RolloutModelInfo.from_checkpoint(model_dir(variant="fp8_block", **MOE), from_files=from_files)
+
+
+def checkpoint_names(variant: str) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(model_dir(variant=variant, **MOE) / "model.safetensors"), "pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+
+
+def test_fused_experts_are_described_per_expert_exactly_as_save_pretrained_writes_them():
+    model = moe_trainer()
+    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (EXPERTS, 512, 256)  # fused in memory
+    described = {m.name: m.shape for m in describe_weights(model)}
+    assert described == checkpoint_names("bf16")
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in described
+    experts = [m for m in describe_weights(model) if ".experts." in m.name]
+    assert len(experts) == 2 * EXPERTS * 3 and all(m.module_classes == ("Linear",) for m in experts)
+
+
+def test_expert_tensors_are_views_of_the_fused_parameter_with_the_saved_values():
+    """No copy of a layer's experts is made to read one of them; the values are the checkpoint's."""
+    model = moe_trainer()
+    view = CheckpointView(model)
+    with safe_open(str(model_dir(variant="bf16", **MOE) / "model.safetensors"), "pt") as f:
+        for expert in range(EXPERTS):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.1.mlp.experts.{expert}.{proj}.weight"
+                piece = view.tensor(name)
+                assert torch.equal(piece, f.get_tensor(name)), name
+                experts = model.model.layers[1].mlp.experts
+                fused = experts.down_proj if proj == "down_proj" else experts.gate_up_proj
+                assert piece.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr(), name
+    with pytest.raises(KeyError):
+        view.tensor("model.layers.1.mlp.experts.gate_up_proj")  # the in-memory name is not a checkpoint name
+
+
+@pytest.mark.parametrize("from_files", [True, False], ids=["checkpoint-headers", "config-only"])
+def test_moe_plan_sends_every_expert_fp8_block_and_the_router_in_bf16(from_files):
+    plan = make_plan(describe_weights(moe_trainer()), moe_rollout(from_files=from_files), SyncConfig(bucket_bytes=1 << 20))
+    forms = {t.target: t.is_quantized for t in plan.tensors}
+    assert {n for n, q in forms.items() if q and ".experts." in n} == {
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        for layer in range(2) for e in range(EXPERTS) for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert not forms["model.layers.0.mlp.gate.weight"] and not forms["lm_head.weight"]
+
+
+def test_moe_buckets_hold_exactly_the_llmcompressor_checkpoint():
+    plan = make_plan(describe_weights(moe_trainer()), moe_rollout(), SyncConfig(bucket_bytes=1 << 20))
+    sent = {name: value for bucket in produce_buckets(plan, CheckpointView(moe_trainer()).tensor) for name, value in bucket.unpack()}
+    with safe_open(str(model_dir(variant="fp8_block", **MOE) / "model.safetensors"), "pt") as f:
+        assert set(sent) == set(f.keys())
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            expected = f.get_tensor(name)
+            as_bits = (lambda t: t.view(torch.uint8)) if expected.dtype == torch.float8_e4m3fn else (lambda t: t)
+            assert sent[name].dtype == expected.dtype and torch.equal(as_bits(sent[name]), as_bits(expected)), name
+
+
+def refusal(metas: list[TensorMeta]) -> str:
+    with pytest.raises(PlanMismatchError) as error:
+        make_plan(metas, moe_rollout(), SyncConfig(bucket_bytes=1 << 20))
+    assert "nothing was sent" in str(error.value)
+    return str(error.value)
+
+
+def test_a_renamed_missing_extra_or_reshaped_expert_is_refused_by_name():
+    metas = {m.name: m for m in describe_weights(moe_trainer())}
+    renamed = metas.pop("model.layers.0.mlp.experts.1.up_proj.weight")
+    metas["model.layers.0.mlp.experts.1.upper_proj.weight"] = TensorMeta(
+        "model.layers.0.mlp.experts.1.upper_proj.weight", renamed.shape, renamed.dtype, renamed.module_classes)
+    del metas["model.layers.1.mlp.experts.2.down_proj.weight"]
+    metas["model.layers.1.mlp.experts.4.down_proj.weight"] = TensorMeta(
+        "model.layers.1.mlp.experts.4.down_proj.weight", (256, 256), "bfloat16", ("Linear",))
+    gate = metas["model.layers.1.mlp.experts.0.gate_proj.weight"]
+    metas[gate.name] = TensorMeta(gate.name, (384, 256), gate.dtype, gate.module_classes)
+    message = refusal(list(metas.values()))
+    assert "model.layers.0.mlp.experts.1.upper_proj.weight: the rollout's model has no such weight" in message
+    assert "model.layers.0.mlp.experts.1.up_proj.weight: the rollout's model has it, the trainer sends nothing" in message
+    assert "model.layers.1.mlp.experts.2.down_proj.weight: the rollout's model has it, the trainer sends nothing" in message
+    assert "model.layers.1.mlp.experts.4.down_proj.weight: the rollout's model has no such weight" in message
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight: shape (384, 256) from the trainer, (256, 256)" in message
+
+
+def test_a_trainer_with_another_expert_count_is_refused_naming_the_experts_and_routers():
+    message = refusal(describe_weights(moe_trainer(num_experts=6)))
+    assert "model.layers.0.mlp.experts.5.gate_proj.weight: the rollout's model has no such weight" in message
+    assert "model.layers.0.mlp.gate.weight: shape (6, 256) from the trainer, (4, 256)" in message
+    assert "14 problem(s)" in message  # per layer: experts 4 and 5 (3 projections each), the router
+
+
+def test_a_trainer_with_another_expert_width_is_refused():
+    message = refusal(describe_weights(moe_trainer(moe_intermediate_size=384)))
+    assert "model.layers.0.mlp.experts.0.down_proj.weight: shape (256, 384) from the trainer, (256, 256)" in message
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("llama", False)], ids=["llama-tied", "llama-untied"])
+def test_dense_llama_plans_against_its_llmcompressor_checkpoint(arch, tied):
+    model = AutoModelForCausalLM.from_pretrained(model_dir(tied, "bf16", arch=arch), dtype=torch.bfloat16)
+    rollout = RolloutModelInfo.from_checkpoint(model_dir(tied, "fp8_block", arch=arch), from_files=True)
+    plan = make_plan(describe_weights(model), rollout, SyncConfig(bucket_bytes=1 << 20))
+    assert sum(t.is_quantized for t in plan.tensors) == 14
+    head = next(t for t in plan.tensors if t.target == "lm_head.weight")
+    assert (head.source == "model.embed_tokens.weight") == tied
+
+
+def test_dequantizing_stacked_experts_equals_dequantizing_each():
+    codes = torch.randn(3, 256, 384).to(torch.float8_e4m3fn)
+    scales = torch.rand(3, 2, 3, dtype=torch.bfloat16)
+    stacked = dequantize_fp8_block(codes, scales)
+    for e in range(3):
+        assert torch.equal(stacked[e], dequantize_fp8_block(codes[e], scales[e]))
