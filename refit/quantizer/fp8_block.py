@@ -90,10 +90,13 @@ def dequantize_fp8_block(
     weight_fp8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Expand FP8_BLOCK codes back to `dtype` (the reference the kernels are tested with)."""
-    rows, cols = weight_fp8.shape
-    expanded = scale.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return (weight_fp8.to(torch.float32) * expanded[:rows, :cols]).to(dtype)
+    """Expand FP8_BLOCK codes `[..., rows, cols]` back to `dtype` (the reference the kernels are tested with).
+
+    Leading dimensions (MoE experts) are independent weights with their own scale grids.
+    """
+    rows, cols = weight_fp8.shape[-2:]
+    expanded = scale.to(torch.float32).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return (weight_fp8.to(torch.float32) * expanded[..., :rows, :cols]).to(dtype)
 
 
 def _check_quantizable(weight: torch.Tensor, block: tuple[int, int], name: str) -> None:
