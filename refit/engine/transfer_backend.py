@@ -75,7 +75,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
         self.amax_recorder: AttentionAmaxRecorder | None = None  # set during a KV-scale recompute
         self._update_version: int | None = None
-        self._loaded: set[str] = set()
+        self._loaded: set[str] = set()  # vLLM parameter names load_weights reported
+        self._streamed: set[str] = set()  # checkpoint names of the tensors it was given
         self._expected: frozenset[str] = frozenset()
         self._reload_open = False
 
@@ -88,6 +89,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._reload_open = True
         self._update_version = None
         self._loaded = set()
+        self._streamed = set()
         # In loadable form every parameter is one `load_weights` can report,
         # except the attention layers' own (KV-cache scales, zero points): the
         # post-refit stage owns those, and a stream may or may not carry them.
@@ -110,6 +112,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             )
         self._update_version = update_info.version
         self._loaded |= set(self.model.load_weights(update_info.tensors))
+        self._streamed |= {name for name, _ in update_info.tensors}
 
     def finish_weight_update(self) -> None:
         """Refuse an incomplete update, else finalize layerwise reload (attention layers last) and record provenance.
@@ -125,7 +128,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
                 "(a different architecture or size?), so this replica will not serve the mix"
             )
         self._finalize()
-        self.provenance.record_streamed(self._loaded, self._update_version)
+        self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
 
     def abandon(self) -> None:
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
@@ -133,7 +136,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             self._finalize()
         if self._update_version is not None:
             # What was loaded is live: record it, so provenance stays true.
-            self.provenance.record_streamed(self._loaded, self._update_version)
+            self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
 
     def _finalize(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)

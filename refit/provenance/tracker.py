@@ -1,8 +1,15 @@
 """Tracks, from facts, where every scale of a running vLLM model came from.
 
 The facts are: the engine's load format, the tensor names actually present in
-the checkpoint it loaded, and the parameter names each sync's `load_weights`
-reported as loaded. The upstream fix this replaces (see ../shared/seeds/)
+the checkpoint it loaded, and, per sync, the parameter names `load_weights`
+reported as loaded and the checkpoint names of the tensors it was given.
+
+A mixture-of-experts layer holds all its experts' scales in two fused
+parameters (`w13_weight_scale` for gate and up, `w2_weight_scale` for
+down). Each expert gets its own record (module `<experts>.<e>`, in checkpoint
+names), sourced from
+that expert's own checkpoint tensors, so an expert a sync did not send is
+never reported as refitted. The upstream fix this replaces (see ../shared/seeds/)
 inferred "uncalibrated" from a missing `kv_cache_scheme`, which also wiped
 calibrated scales loaded from a real checkpoint; nothing here is inferred
 from config fields.
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +31,8 @@ __all__ = ["ATTENTION_SCALES", "ScaleProvenanceTracker", "checkpoint_tensor_name
 # kernels read) plus host-side float copies.
 ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 _WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
+# vLLM's fused-experts scale parameters, and which projection of each expert's checkpoint feeds them.
+_EXPERT_SCALES = {"w13_weight_scale": ("gate", "up"), "w2_weight_scale": ("down",)}
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> frozenset[str]:
@@ -48,6 +58,7 @@ class ScaleProvenanceTracker:
         self._model = model
         self._sources: dict[tuple[str, str], tuple[ScaleSource, int | None]] = {}
         self._kinds: dict[tuple[str, str], str] = {}
+        self._experts: dict[tuple[str, str], _ExpertScale] = {}  # per-expert records of fused MoE scales
         for module_name, module in model.named_modules():
             if is_attention_layer(module):
                 for scale in ATTENTION_SCALES:
@@ -57,6 +68,17 @@ class ScaleProvenanceTracker:
                 for scale in _WEIGHT_SCALES:
                     if isinstance(getattr(module, scale, None), torch.Tensor):
                         self._kinds[(module_name, scale)] = "weight"
+                for scale, projections in _EXPERT_SCALES.items():
+                    fused = getattr(module, scale, None)
+                    if isinstance(fused, torch.Tensor) and fused.dim() == 3:
+                        names = [getattr(module, f"ckpt_{p}_proj_name", f"{p}_proj") for p in projections]
+                        # vLLM 0.32 wraps the experts in a runner that has the checkpoint's name.
+                        prefix = module_name.removesuffix(".routed_experts")
+                        for expert in range(fused.shape[0]):
+                            key = (f"{prefix}.{expert}", scale)
+                            self._kinds[key] = "weight"
+                            self._experts[key] = _ExpertScale(
+                                module_name, expert, tuple(f"{prefix}.{expert}.{n}.weight_scale" for n in names))
 
     def record_initial_load(
         self, load_format: str, checkpoint_names: frozenset[str], packed_modules: Mapping[str, list[str]]
@@ -68,19 +90,31 @@ class ScaleProvenanceTracker:
         from the checkpoint only if every shard's scale was there.
         """
         for module, scale in self._kinds:
+            expert = self._experts.get((module, scale))
+            names = expert.checkpoint_names if expert else _checkpoint_names(module, scale, packed_modules)
             if load_format == "dummy":
                 source = ScaleSource.DUMMY
-            elif all(name in checkpoint_names for name in _checkpoint_names(module, scale, packed_modules)):
+            elif all(name in checkpoint_names for name in names):
                 source = ScaleSource.CHECKPOINT
             else:
                 source = ScaleSource.PLACEHOLDER
             self._sources[(module, scale)] = (source, None)
 
-    def record_streamed(self, loaded_param_names: Iterable[str], version: int) -> None:
-        """Scales among the vLLM parameter names `load_weights` reported as loaded."""
-        for name in loaded_param_names:
-            module, _, scale = name.rpartition(".")
-            if (module, scale) in self._kinds:
+    def record_streamed(self, loaded_param_names: Iterable[str], streamed_names: Iterable[str], version: int) -> None:
+        """Scales among the vLLM parameter names `load_weights` reported as loaded.
+
+        An expert's scale counts only if its own checkpoint tensors were among
+        `streamed_names` too: the fused parameter is reported loaded as soon as
+        any one expert is.
+        """
+        loaded, streamed = set(loaded_param_names), set(streamed_names)
+        for module, scale in self._kinds:
+            expert = self._experts.get((module, scale))
+            if expert is None:
+                sent = f"{module}.{scale}" in loaded
+            else:
+                sent = f"{expert.module}.{scale}" in loaded and all(n in streamed for n in expert.checkpoint_names)
+            if sent:
                 self._sources[(module, scale)] = (ScaleSource.REFIT, version)
 
     def record_set(self, module: str, scale: str, source: ScaleSource, version: int | None) -> None:
@@ -98,8 +132,21 @@ class ScaleProvenanceTracker:
         out = []
         for (module, scale), kind in self._kinds.items():
             source, version = self._sources[(module, scale)]
-            out.append(ScaleRecord(module, scale, kind, source, version, _scale_value(modules[module], scale, kind)))
+            expert = self._experts.get((module, scale))
+            if expert is None:
+                value = _scale_value(modules[module], scale, kind)
+            else:
+                value = float(getattr(modules[expert.module], scale)[expert.index].detach().abs().max())
+            out.append(ScaleRecord(module, scale, kind, source, version, value))
         return out
+
+
+class _ExpertScale(NamedTuple):
+    """One expert's slice of a fused MoE scale parameter, and the checkpoint tensors it is loaded from."""
+
+    module: str  # the fused-experts module
+    index: int
+    checkpoint_names: tuple[str, ...]
 
 
 def is_attention_layer(module: torch.nn.Module) -> bool:

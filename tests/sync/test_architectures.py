@@ -1,0 +1,79 @@
+"""Architectures beyond dense Qwen3, end to end: a Qwen3 mixture of experts and a Llama (tied and untied).
+
+Each FP8_BLOCK rollout starts with `load_format="dummy"` (random weights) and
+an FP8 KV cache, so it can only match a fresh engine loaded from
+llmcompressor's FP8_BLOCK checkpoint of the trainer's weights if the sync
+delivered every tensor, every expert included, in the form llmcompressor
+writes. The trainer holds exactly the committed bf16 fixture, of which the
+committed FP8 fixture is llmcompressor's output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import refit
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from refit.provenance import ScaleSource
+
+PROMPTS = make_prompts(24, PROMPT_LEN, seed=23)
+FP8_KV = {"kv_cache_dtype": "fp8_e4m3"}
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+@pytest.mark.parametrize(
+    "arch, tied, quantize_on",
+    [("qwen3_moe", False, ["trainer", "rollout"]), ("llama", True, ["trainer"]), ("llama", False, ["rollout"])],
+    ids=["qwen3-moe", "llama-tied", "llama-untied"],
+)
+def test_dummy_fp8_rollout_matches_a_fresh_engine_on_llmcompressors_checkpoint(actors_factory, arch, tied, quantize_on):
+    trainer = actors_factory.trainer(model_dir(tied, "bf16", arch=arch))
+    fresh = actors_factory.rollout(model_dir(tied, "fp8_block", arch=arch), node=1, **FP8_KV)
+    expected = ray.get(fresh.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
+    ray.kill(fresh)
+
+    for where in quantize_on:
+        replica = actors_factory.rollout(model_dir(tied, "fp8_block", arch=arch), node=2, load_format="dummy", **FP8_KV)
+        report = refit.Syncer(trainer, [replica], refit.SyncConfig(quantize_on=where)).sync()
+        assert report.replicas[0].served_version == 1
+
+        got = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
+        assert got.token_ids == expected.token_ids, where
+        assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5, where
+        assert max_abs_diff([r[1:] for r in got.prompt_logprobs], [r[1:] for r in expected.prompt_logprobs]) < 1e-5, where
+        assert accuracy(PROMPTS, got.token_ids) == accuracy(PROMPTS, ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS)))
+
+        weight_scales = [r for r in ray.get(replica.scale_records.remote()) if r.kind == "weight"]
+        assert weight_scales and all(r.source is ScaleSource.REFIT and r.version == 1 for r in weight_scales)
+        if arch == "qwen3_moe":  # one record per expert and fused scale, in each of 2 layers
+            experts = {(r.module, r.scale) for r in weight_scales if ".mlp.experts." in r.module}
+            assert experts == {
+                (f"model.layers.{layer}.mlp.experts.{e}", scale)
+                for layer in range(2) for e in range(4) for scale in ("w13_weight_scale", "w2_weight_scale")
+            }
+        ray.kill(replica)
+
+
+def test_moe_trainer_with_another_expert_count_is_refused_and_the_replica_keeps_serving(actors_factory, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir(False, "bf16", arch="qwen3_moe"))
+    config.num_experts = 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "eight-experts")
+    replica = actors_factory.rollout(model_dir(False, "fp8_block", arch="qwen3_moe"), node=1)
+    before = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS))
+
+    with pytest.raises(refit.PlanMismatchError) as error:
+        refit.sync(actors_factory.trainer(tmp_path / "eight-experts"), [replica])
+
+    message = str(error.value)
+    assert "nothing was sent" in message
+    assert "model.layers.1.mlp.experts.7.down_proj.weight: the rollout's model has no such weight" in message
+    assert "model.layers.0.mlp.gate.weight: shape (8, 256) from the trainer, (4, 256)" in message
+    status = ray.get(replica.status.remote())
+    assert status.phase is refit.Phase.SERVING and status.served_version is None  # still its checkpoint's weights
+    assert ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == before.token_ids
