@@ -68,14 +68,17 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer), dtype=torch.bfloat16)
     except (ValueError, OSError, KeyError) as error:
         raise ConfigError(f"trainer checkpoint {str(trainer)!r}: transformers cannot build its model ({error})") from error
-    plan = make_plan(describe_weights(model), rollout_model, config)
-    print(f"{'bucket':>6}  {'target':<48} {'source':<32} {'shape':<14} {'form':<10} {'bytes':>10}")
+    metas = describe_weights(model)
+    plan = make_plan(metas, rollout_model, config)
+    # The source column: a tied alias's tensor, or the fused in-memory parameter a checkpoint tensor is a piece of.
+    piece_of = {m.name: m.piece_of for m in metas if m.piece_of}
+    print(f"{'bucket':>6}  {'target':<48} {'source':<44} {'shape':<14} {'form':<10} {'bytes':>10}")
     for index, bucket in enumerate(plan.buckets):
         for t in bucket:
             form = "fp8_block" if t.is_quantized else t.dtype
-            source = "" if t.source == t.target else t.source
+            source = t.source if t.source != t.target else piece_of.get(t.target, "")
             print(
-                f"{index:>6}  {t.target:<48} {source:<32} {str(list(t.shape)):<14} {form:<10} "
+                f"{index:>6}  {t.target:<48} {source:<44} {str(list(t.shape)):<14} {form:<10} "
                 f"{t.wire_bytes(config.quantize_on):>10}"
             )
     print(f"\n{len(plan.tensors)} tensors in {len(plan.buckets)} buckets, {plan.wire_bytes / 2**20:.2f} MiB per sync")

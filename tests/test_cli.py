@@ -18,6 +18,18 @@ def test_plan_lists_every_tensor_with_its_form(capsys):
     assert "25 tensors in 4 buckets" in out
 
 
+def test_plan_of_the_moe_pair_shows_each_expert_as_an_fp8_target_cut_from_its_fused_parameter(capsys):
+    moe = dict(tied=False, arch="qwen3_moe")
+    assert main(["plan", str(model_dir(variant="bf16", **moe)), str(model_dir(variant="fp8_block", **moe))]) == 0
+    rows = {row[1]: row for row in (line.split() for line in capsys.readouterr().out.splitlines()[1:]) if row and row[0].isdigit()}
+    experts = {name: row for name, row in rows.items() if ".mlp.experts." in name}
+    assert len(experts) == 2 * 4 * 3 and all(row[-2] == "fp8_block" for row in experts.values())
+    up = rows["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert up[2] == "model.layers.1.mlp.experts.gate_up_proj" and up[3:5] == ["[256,", "256]"]
+    assert rows["model.layers.1.mlp.experts.3.down_proj.weight"][2] == "model.layers.1.mlp.experts.down_proj"
+    assert rows["model.layers.0.mlp.gate.weight"][-2] == "bfloat16"  # the router, ignored by the scheme
+
+
 def test_plan_refuses_an_unsupported_rollout_scheme(tmp_path, capsys):
     rollout = tmp_path / "rollout"
     shutil.copytree(model_dir(True, "fp8_block"), rollout)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from fixtures import (
+    FIXTURE_MODELS,
     NEW_TOKENS,
     PROMPT_LEN,
     STEPS,
@@ -29,6 +30,7 @@ from fixtures import (
     make_prompts,
     make_sequences,
     model_dir,
+    tiny_config,
     tiny_qwen3_config,
 )
 from fixtures import models as fixture_models
@@ -115,13 +117,13 @@ def test_model_dir_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
 # --- bf16 models -------------------------------------------------------------
 
 
-@TIED
-def test_bf16_model_solves_task(tied: bool) -> None:
+@pytest.mark.parametrize("arch, tied", FIXTURE_MODELS, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in FIXTURE_MODELS])
+def test_bf16_model_solves_task(arch: str, tied: bool) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir(tied, "bf16"), dtype="auto").eval()
-    assert model.dtype == torch.bfloat16
-    expected_config = tiny_qwen3_config(tied)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(tied, "bf16", arch=arch), dtype="auto").eval()
+    assert model.dtype == torch.bfloat16 and model.config.model_type == arch
+    expected_config = tiny_config(arch, tied)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
         assert getattr(model.config, key) == getattr(expected_config, key), key

@@ -118,7 +118,7 @@ class CheckpointView:
                         "which refit does not do"
                     )
                 self._pieces[piece] = _Piece(tuple(value.shape), tuple(value.stride()), value.storage_offset())
-                self._add(TensorMeta(piece, tuple(value.shape), dtype, _CONVERTED_MODULE_CLASSES), name)
+                self._add(TensorMeta(piece, tuple(value.shape), dtype, _CONVERTED_MODULE_CLASSES, piece_of=name), name)
         ours = {m.name: m.shape for m in self._metas}
         if ours != whole:
             differ = sorted(set(ours.items()) ^ set(whole.items()))

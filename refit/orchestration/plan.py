@@ -44,6 +44,7 @@ class TensorMeta:
     dtype: str  # e.g. "bfloat16"
     module_classes: tuple[str, ...]  # class names of the owning module's MRO
     alias_of: str | None = None  # a tied parameter: same tensor as `alias_of`
+    piece_of: str | None = None  # a piece of this (fused) in-memory parameter, e.g. one expert's gate_proj
 
 
 def module_classes(metas: Sequence[TensorMeta]) -> dict[str, tuple[str, ...]]:
