@@ -1,11 +1,12 @@
-"""Ray actor classes for refit: a trainer (weight source) and a rollout (vLLM engine).
+"""Ray actor classes for refit: trainers (weight sources) and a rollout (vLLM engine).
 
-Both are ordinary Ray actors an RL framework can create itself; `refit.Syncer`
-relies only on the methods of `refit.protocols.WeightSource` and
-`refit.protocols.RolloutReplica`.
+All are ordinary Ray actors an RL framework can create itself; `refit.Syncer`
+relies only on the methods of `refit.protocols.WeightSource` (a trainer, or
+each rank of a `TrainerGroup`) and `refit.protocols.RolloutReplica`.
 """
 
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerActor
+from actors.trainer_group import TrainerGroup, TrainerRank
 
-__all__ = ["RolloutActor", "TrainerActor"]
+__all__ = ["RolloutActor", "TrainerActor", "TrainerGroup", "TrainerRank"]

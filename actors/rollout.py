@@ -88,8 +88,8 @@ class RolloutActor:
             return version
 
     @ray.method(concurrency_group="update")
-    def load_bucket(self, sync_id: str, version: int, bucket: WireBucket | list[ray.ObjectRef]) -> float:
-        """Fetch and load one bucket; returns seconds spent loading."""
+    def load_bucket(self, sync_id: str, version: int, bucket: WireBucket | list[WireBucket | ray.ObjectRef]) -> float:
+        """Fetch and load one bucket (one part per sending rank of a sharded trainer); returns seconds spent loading."""
         with self._update_lock:
             self._lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
@@ -178,13 +178,22 @@ class RolloutActor:
         return to_json(records) if as_json else format_table(records)
 
 
-def _fetch(bucket: WireBucket | list[ray.ObjectRef], timeout_s: float) -> WireBucket:
-    """The bucket itself; through Ray it comes as `[ref]`, and a trainer failure is stored in that object."""
+def _fetch(bucket: WireBucket | list[WireBucket | ray.ObjectRef], timeout_s: float) -> list[WireBucket]:
+    """The bucket's parts; through Ray they come as `[ref, ...]`, and a trainer failure is stored in its object."""
     if isinstance(bucket, WireBucket):
-        return bucket
+        return [bucket]
+    deadline = time.monotonic() + timeout_s
+    parts = []
+    for rank, part in enumerate(bucket):
+        who = "the trainer" if len(bucket) == 1 else f"trainer rank {rank}"
+        parts.append(part if isinstance(part, WireBucket) else _fetch_part(part, who, deadline - time.monotonic(), timeout_s))
+    return parts
+
+
+def _fetch_part(ref: ray.ObjectRef, who: str, remaining_s: float, timeout_s: float) -> WireBucket:
     try:
-        return ray.get(bucket[0], timeout=timeout_s)
+        return ray.get(ref, timeout=max(remaining_s, 0.0))
     except ray.exceptions.GetTimeoutError:
         raise SyncTimeoutError(f"fetching a bucket from the trainer took over {timeout_s:.0f} s (SyncConfig.timeout_s)") from None
     except Exception as error:  # the trainer raised (a refused tensor, ...) or is gone
-        raise remote_error(error, "the trainer", "stream_buckets") from None
+        raise remote_error(error, who, "stream_buckets") from None

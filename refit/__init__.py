@@ -59,6 +59,7 @@ _LAZY = {
     "Phase": "refit.engine.lifecycle",
     "WeightSource": "refit.protocols",
     "RolloutReplica": "refit.protocols",
+    "ShardedWeightSource": "refit.protocols",
     "KvScalePolicy": "refit.provenance",
     "ScaleSource": "refit.provenance",
     "ScaleRecord": "refit.provenance",

@@ -10,7 +10,7 @@ subclassing needed, as with vLLM's `VLLMWeightSyncClient`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan
     from refit.transport.buckets import WireBucket
 
-__all__ = ["RolloutReplica", "WeightSource", "has_method", "missing_methods"]
+__all__ = ["RolloutReplica", "ShardedWeightSource", "WeightSource", "has_method", "missing_methods"]
 
 
 @runtime_checkable
@@ -48,6 +48,20 @@ class WeightSource(Protocol):
         before the first bucket, so bad state sends nothing.
         """
         ...
+
+
+class ShardedWeightSource(Protocol):
+    """A trainer whose weights are spread over ranks (FSDP2, Megatron): a weight source per rank.
+
+    Each rank reports the tensors it holds (`weight_metadata`, global shapes;
+    a rank may hold only part of the names, as with pipeline or expert
+    parallelism) and streams, for every bucket of the plan, its part of it:
+    possibly empty, with row slices marked (`refit.sharding.RankSource` does
+    both for row-sharded DTensors). All ranks stream at the same time, so
+    they may meet in collectives.
+    """
+
+    ranks: Sequence[WeightSource]
 
 
 @runtime_checkable

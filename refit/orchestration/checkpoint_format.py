@@ -90,6 +90,13 @@ class CheckpointView:
             raise PlanMismatchError(f"{self._sources[name]}: not contiguous, so refit cannot read {name} as a view of it")
         return param.detach().as_strided(piece.shape, piece.stride, piece.offset)
 
+    def location(self, name: str) -> tuple[torch.Tensor, _Piece | None]:
+        """The parameter checkpoint tensor `name` is read from, and where in it the piece lies (None: all of it).
+
+        For readers of sharded parameters, which cannot take a view of the whole (`refit.sharding`).
+        """
+        return self._params[self._sources[name]], self._pieces.get(name)
+
     def _describe(self) -> None:
         """Metadata in checkpoint form: parameters the conversion leaves alone as they are, the others in pieces.
 

@@ -8,7 +8,7 @@ the bytes every replica fetches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -39,16 +39,46 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
         yield pack_bucket(index, wire)
 
 
-def loadable_tensors(plan: TransferPlan, bucket: WireBucket) -> list[tuple[str, torch.Tensor]]:
-    """The bucket as the tensors vLLM's loaders take (quantized here if the plan says so)."""
-    tensors = bucket.unpack()
+def loadable_tensors(plan: TransferPlan, parts: WireBucket | Sequence[WireBucket]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as the tensors vLLM's loaders take (quantized here if the plan says so).
+
+    `parts`: the bucket from one trainer, or one part from each rank of a
+    sharded trainer, whose row slices are put back together here.
+    """
+    parts = [parts] if isinstance(parts, WireBucket) else list(parts)
+    index = {part.index for part in parts}
+    if len(index) != 1:
+        raise PlanMismatchError(f"parts of different buckets {sorted(index)} arrived as one; the ranks disagree on the plan")
+    planned = {t.target: t for t in plan.buckets[index.pop()]}
+    tensors = _assemble(parts)
+    wrong = [f"{name}: {tuple(value.shape)} arrived, the plan has {planned[name].shape}"
+             for name, value in tensors if name in planned and tuple(value.shape) != planned[name].shape]
+    if wrong:
+        raise InvalidTensorError("refusing a bucket whose tensors do not have the plan's shapes:\n  " + "\n  ".join(wrong))
     if plan.quantize_on is QuantizeOn.TRAINER:
         return tensors
-    planned = {t.target: t for t in plan.buckets[bucket.index]}
     out: list[tuple[str, torch.Tensor]] = []
     for name, value in tensors:
         out += loadable_form(name, value, planned[name].block)
     return out
+
+
+def _assemble(parts: list[WireBucket]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor whole: row slices from several parts concatenated in row order, checked to tile its rows."""
+    slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for part in parts:
+        for entry, tensor in part.unpack_rows():
+            slices.setdefault(entry.name, []).append((entry.row_offset, tensor))
+    whole = []
+    for name, pieces in slices.items():
+        pieces.sort(key=lambda piece: piece[0])
+        expected = 0
+        for offset, tensor in pieces:
+            if offset != expected:
+                raise InvalidTensorError(f"{name}: rows {expected}..{offset} are missing or sent twice by the trainer's ranks")
+            expected += tensor.shape[0] if tensor.dim() else 1
+        whole.append((name, pieces[0][1] if len(pieces) == 1 else torch.cat([tensor for _, tensor in pieces])))
+    return whole
 
 
 def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> None:

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.errors import ConfigError, PlanMismatchError
-from refit.orchestration.calls import BucketStream, call_all, raise_first_error, submit_all, summary, wait_all
+from refit.orchestration.calls import BucketStream, call_all, is_actor, raise_first_error, submit_all, summary, wait_all
 from refit.orchestration.config import SyncConfig
-from refit.orchestration.plan import RolloutModelInfo, TransferPlan, make_plan
+from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan, make_plan
 from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 
@@ -49,7 +49,10 @@ class Syncer:
     """Repeated syncs from one weight source to a fixed set of rollout replicas.
 
     `trainer` and `rollouts` are Ray actor handles (or plain objects)
-    implementing `WeightSource` and `RolloutReplica`.
+    implementing `WeightSource` and `RolloutReplica`. A sharded trainer is
+    any object whose `ranks` are weight sources (`ShardedWeightSource`, e.g.
+    `actors.TrainerGroup`): every rank streams its part of each bucket, and
+    each replica fetches the parts straight from the ranks.
     """
 
     def __init__(
@@ -61,7 +64,8 @@ class Syncer:
             raise ConfigError("Syncer needs at least one rollout replica")
         if config is not None and not isinstance(config, SyncConfig):
             raise ConfigError(f"config={config!r}: expected a refit.SyncConfig")
-        problems = [f"the trainer lacks {m}()" for m in missing_methods(trainer, WeightSource)]
+        self._sources = _weight_sources(trainer)
+        problems = [f"{who} lacks {m}()" for who, source in self._sources for m in missing_methods(source, WeightSource)]
         for i, replica in enumerate(self.rollouts):
             problems += [f"rollout {i} lacks {m}()" for m in missing_methods(replica, RolloutReplica)]
         if problems:
@@ -78,8 +82,8 @@ class Syncer:
             timeout = self.config.timeout_s
             infos = raise_first_error(call_all(self._replicas, "describe", timeout_s=timeout))
             _check_same_model(infos)
-            (metadata,) = raise_first_error(call_all([("the trainer", self.trainer)], "weight_metadata", timeout_s=timeout))
-            self._plan = make_plan(metadata, infos[0], self.config)
+            metadata = raise_first_error(call_all(self._sources, "weight_metadata", timeout_s=timeout))
+            self._plan = make_plan(_merge_metadata(self._sources, metadata), infos[0], self.config)
         return self._plan
 
     def sync(self) -> SyncReport:
@@ -131,20 +135,25 @@ class Syncer:
             for replica, value in enumerate(spent):
                 seconds[replica] += value
 
-        stream = BucketStream(self.trainer, plan, self.config.max_buckets_in_flight)
+        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight) for _, source in self._sources]
         try:
-            count = 0
-            while (bucket := stream.next(timeout)) is not None:
+            for _ in plan.buckets:
+                parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
+                if any(part is None for part in parts):
+                    ended = [who for (who, _), part in zip(self._sources, parts) if part is None]
+                    raise PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(plan.buckets)} buckets")
+                bucket = parts[0] if len(parts) == 1 else [ref for part in parts for ref in _as_list(part)]
                 in_flight.append(submit_all(self._replicas, "load_bucket", sync_id, version, bucket))
-                count += 1
                 while len(in_flight) >= self.config.max_buckets_in_flight:
                     wait_oldest()
             while in_flight:
                 wait_oldest()
+            extra = [who for (who, _), stream in zip(self._sources, streams) if stream.next(timeout) is not None]
+            if extra:
+                raise PlanMismatchError(f"{', '.join(extra)} streamed more buckets than the plan's {len(plan.buckets)}")
         finally:
-            stream.close()
-        if count != len(plan.buckets):
-            raise PlanMismatchError(f"the trainer streamed {count} buckets, the plan has {len(plan.buckets)}")
+            for stream in streams:
+                stream.close()
         return seconds
 
     def _abort(self, sync_id: str, error: BaseException) -> None:
@@ -156,11 +165,11 @@ class Syncer:
             error.add_note(f"{outcome.who}: {state}")
 
     def _trainer_seconds(self) -> float | None:
-        # Optional in the weight-source protocol: custom trainers may not time themselves.
-        if not has_method(self.trainer, "last_stream_seconds"):
+        """The slowest rank's producing time. Optional in the protocol: custom trainers may not time themselves."""
+        if not all(has_method(source, "last_stream_seconds") for _, source in self._sources):
             return None
-        outcome = call_all([("the trainer", self.trainer)], "last_stream_seconds", timeout_s=self.config.timeout_s)[0]
-        return outcome.value if outcome.ok else None
+        outcomes = call_all(self._sources, "last_stream_seconds", timeout_s=self.config.timeout_s)
+        return max(o.value for o in outcomes) if all(o.ok for o in outcomes) else None
 
 
 def sync(
@@ -168,6 +177,35 @@ def sync(
 ) -> SyncReport:
     """One-off sync. For repeated syncs keep a `Syncer`: it plans once."""
     return Syncer(trainer, rollouts, config).sync()
+
+
+def _weight_sources(trainer: Any) -> list[tuple[str, Any]]:
+    """(name, source) of every rank that streams: a sharded trainer's `ranks`, or the trainer itself."""
+    ranks = getattr(trainer, "ranks", None)
+    if ranks is None or is_actor(trainer):
+        return [("the trainer", trainer)]
+    ranks = list(ranks)
+    if not ranks:
+        raise ConfigError("the sharded trainer has no ranks")
+    return [(f"trainer rank {r}", rank) for r, rank in enumerate(ranks)]
+
+
+def _merge_metadata(sources: list[tuple[str, Any]], metadata: list[list[TensorMeta]]) -> list[TensorMeta]:
+    """The union of what the ranks hold (each may hold part of the names); the same name must agree everywhere."""
+    merged: dict[str, tuple[str, TensorMeta]] = {}
+    problems = []
+    for (who, _), metas in zip(sources, metadata):
+        for meta in metas:
+            first = merged.setdefault(meta.name, (who, meta))
+            if (first[1].shape, first[1].dtype) != (meta.shape, meta.dtype):
+                problems.append(f"{meta.name}: {first[1].shape} {first[1].dtype} on {first[0]}, {meta.shape} {meta.dtype} on {who}")
+    if problems:
+        raise PlanMismatchError("the trainer's ranks disagree on tensors:\n  " + "\n  ".join(problems))
+    return [meta for _, meta in merged.values()]
+
+
+def _as_list(part: Any) -> list[Any]:
+    return part if isinstance(part, list) else [part]
 
 
 def _check_same_model(infos: list[RolloutModelInfo]) -> None:

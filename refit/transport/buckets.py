@@ -10,7 +10,7 @@ sidestep Ray's lack of float8 support (in Ray 2.60 `ray.get` of a
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,13 +29,18 @@ _ALIGN = 64  # every tensor starts cache-line aligned, so views are aligned too
 
 @dataclass(frozen=True, slots=True)
 class WireTensor:
-    """Where one tensor lies in a bucket's buffer."""
+    """Where one tensor lies in a bucket's buffer.
+
+    `row_offset`: the first row of the named tensor this one holds; a rank of
+    a sharded trainer sends only its rows, and the replica puts them together.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    row_offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +57,20 @@ class WireBucket:
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """Views into the buffer (no copy); the engine's loaders copy them into place."""
+        return [(t.name, tensor) for t, tensor in self.unpack_rows()]
+
+    def unpack_rows(self) -> list[tuple[WireTensor, torch.Tensor]]:
+        """Each table entry (with its row offset) and its view into the buffer."""
         flat = _as_tensor(self.buffer)
-        return [
-            (t.name, flat[t.offset : t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape))
-            for t in self.tensors
-        ]
+        return [(t, flat[t.offset : t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape)) for t in self.tensors]
 
 
-def pack_bucket(index: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> WireBucket:
-    """Copy `tensors` (CPU or GPU) into one contiguous host buffer."""
+def pack_bucket(
+    index: int, tensors: Iterable[tuple[str, torch.Tensor]], *, row_offsets: Mapping[str, int] | None = None
+) -> WireBucket:
+    """Copy `tensors` (CPU or GPU) into one contiguous host buffer; `row_offsets` marks row slices of a tensor."""
     items = list(tensors)
+    row_offsets = row_offsets or {}
     table: list[WireTensor] = []
     offset = 0
     for name, tensor in items:
@@ -69,7 +78,7 @@ def pack_bucket(index: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Wire
         if dtype not in _DTYPES:
             raise InvalidTensorError(f"{name}: dtype {tensor.dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}")
         nbytes = tensor.numel() * tensor.element_size()
-        table.append(WireTensor(name, dtype, tuple(tensor.shape), offset, nbytes))
+        table.append(WireTensor(name, dtype, tuple(tensor.shape), offset, nbytes, row_offsets.get(name, 0)))
         offset += -(-nbytes // _ALIGN) * _ALIGN
     buffer = np.empty(offset, dtype=np.uint8)
     flat = torch.from_numpy(buffer)

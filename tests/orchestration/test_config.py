@@ -74,8 +74,9 @@ def test_a_trainer_process_does_not_import_vllm():
     """What a trainer and a driver import (actors, the library's public names) leaves vLLM out."""
     code = (
         "import sys, refit, actors\n"
-        "from actors import TrainerActor, RolloutActor\n"
-        "from refit.orchestration import make_plan, produce_buckets, describe_weights, Syncer\n"
+        "from actors import TrainerActor, RolloutActor, TrainerGroup, TrainerRank\n"
+        "from refit.sharding import RankSource, route_tensors\n"
+        "from refit.orchestration import make_plan, produce_buckets, describe_weights, checkpoint_tensors, Syncer\n"
         "from refit import EngineConfig, SyncConfig, Syncer, WeightSource, RolloutReplica, RolloutModelInfo\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))\n"
     )

@@ -1,0 +1,199 @@
+"""A sharded trainer: N Ray actors holding one FSDP2-sharded causal LM, and the group handle that drives them.
+
+`refit.Syncer(group, rollouts)` syncs it like a single trainer: each rank
+streams the rows it holds (`refit.sharding.RankSource`). The ranks form one
+torch.distributed group (gloo on CPU, NCCL on GPU, chosen in
+`refit.sharding.process_group`); FSDP2 (`fully_shard`) shards every decoder
+layer and the root by rows, as torchtitan and verl do.
+
+Everything that runs the model (a training step, generation, saving) is a
+collective: the group handle calls it on every rank at once and returns rank
+0's answer. To wrap your own FSDP2 or Megatron trainer instead, give each of
+its ranks `weight_metadata` and `stream_buckets` (see
+`refit.protocols.WeightSource`) backed by a `RankSource`, and pass an object
+whose `ranks` lists them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import ray
+import torch
+
+from actors._logging import show_refit_logs
+from refit.errors import ConfigError
+from refit.orchestration.plan import TensorMeta, TransferPlan
+from refit.sharding.process_group import free_port, init_trainer_group
+from refit.sharding.rank_source import RankSource
+from refit.transport.buckets import WireBucket
+
+__all__ = ["TrainerGroup", "TrainerRank"]
+
+_RSS_SAMPLE_PERIOD_S = 0.002
+
+
+@ray.remote
+class TrainerRank:
+    """One rank of a `TrainerGroup`; all its model methods are collectives over the group."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        show_refit_logs()
+        self.rank, self.world_size = rank, world_size
+        self._stream_seconds = 0.0
+        self._peak_bytes = 0
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Where the group meets: this node's address and a free port on it (asked of rank 0)."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, address: str, port: int, model_dir: str, *, lr: float, seed: int, reinitialize: bool,
+              timeout_s: float) -> None:
+        """Join the group, then load the model (bf16) on every rank and shard it with FSDP2."""
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        mesh = init_trainer_group(self.rank, self.world_size, address, port, timeout_s)
+        torch.manual_seed(seed)  # the same initial weights on every rank, before sharding
+        if reinitialize:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model = model.to(torch.bfloat16)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.source = RankSource(model)
+
+    # -- weight source protocol (per rank) --------------------------------------------------------------------------
+    def weight_metadata(self) -> list[TensorMeta]:
+        return self.source.view.metadata()
+
+    def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
+        """This rank's part of every bucket; records the stream's seconds and its peak private memory growth."""
+        self._stream_seconds = 0.0
+        baseline = _private_rss()
+        self._peak_bytes = 0
+        stop = threading.Event()
+        sampler = threading.Thread(target=self._sample_rss, args=(baseline, stop), daemon=True)
+        sampler.start()
+        try:
+            parts = self.source.stream(plan)
+            while True:
+                start = time.perf_counter()
+                part = next(parts, None)
+                self._stream_seconds += time.perf_counter() - start
+                if part is None:
+                    return
+                yield part
+        finally:
+            stop.set()
+            sampler.join()
+
+    def last_stream_seconds(self) -> float:
+        return self._stream_seconds
+
+    def last_stream_stats(self) -> dict[str, int]:
+        """In the last stream: bytes this rank all-gathered, its peak private memory above the stream's start,
+        the tensors it sent per route, and the bytes of its shards."""
+        return {"gathered_bytes": self.source.gathered_bytes, "peak_bytes": self._peak_bytes, **self.source.sent,
+                "shard_bytes": sum(_local(p).numel() * p.element_size() for p in self.model.parameters())}
+
+    # -- training (collectives) ----------------------------------------------------------------------------------------
+    def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
+        """One next-token step on this rank's share of the batch; FSDP2 averages the gradients."""
+        ids = torch.tensor(sequences)
+        self.model.train()
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations (every rank runs the same forward passes)."""
+        self.model.eval()
+        ids = torch.tensor([list(p) for p in prompts])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  min_new_tokens=max_new_tokens, do_sample=False)
+        return out[:, ids.shape[1]:].tolist()
+
+    def save(self, directory: str) -> None:
+        """Write the full (unsharded) model as a bf16 checkpoint; rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.model.save_pretrained(directory, state_dict=state)
+
+    def _sample_rss(self, baseline: int, stop: threading.Event) -> None:
+        while not stop.wait(_RSS_SAMPLE_PERIOD_S):
+            self._peak_bytes = max(self._peak_bytes, _private_rss() - baseline)
+
+
+class TrainerGroup:
+    """`world_size` `TrainerRank`s holding one FSDP2-sharded model; pass it to `refit.Syncer` as the trainer.
+
+    `resources[r]` (optional) are Ray resources pinning rank r (e.g. `{"node1": 0.01}`).
+    """
+
+    def __init__(self, model_dir: str | Path, world_size: int, *, lr: float = 1e-3, seed: int = 0,
+                 reinitialize: bool = False, resources: Sequence[dict[str, float]] | None = None,
+                 timeout_s: float = 120.0) -> None:
+        if world_size < 1:
+            raise ConfigError(f"world_size={world_size}: a trainer group needs at least one rank")
+        if resources is not None and len(resources) != world_size:
+            raise ConfigError(f"resources: {len(resources)} entries for {world_size} ranks")
+        self.timeout_s = timeout_s
+        self.ranks = [
+            TrainerRank.options(num_cpus=0, resources=(resources or [{}] * world_size)[r]).remote(r, world_size)
+            for r in range(world_size)
+        ]
+        address, port = ray.get(self.ranks[0].rendezvous.remote(), timeout=timeout_s)
+        self._all("setup", address, port, str(model_dir), lr=lr, seed=seed, reinitialize=reinitialize, timeout_s=timeout_s)
+
+    def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
+        """One data-parallel step: rank r trains on `sequences[r::world_size]`; returns the mean loss."""
+        if len(sequences) < len(self.ranks):
+            raise ConfigError(f"{len(sequences)} sequences for {len(self.ranks)} ranks: every rank needs one")
+        losses = ray.get([rank.train_step.remote(list(sequences[r::len(self.ranks)])) for r, rank in enumerate(self.ranks)],
+                         timeout=self.timeout_s)
+        return math.fsum(losses) / len(losses)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8) -> list[list[int]]:
+        return self._all("generate", prompts, max_new_tokens)
+
+    def save(self, directory: str | Path) -> Path:
+        self._all("save", str(directory))
+        return Path(directory)
+
+    def stream_stats(self) -> list[dict[str, int]]:
+        return ray.get([rank.last_stream_stats.remote() for rank in self.ranks], timeout=self.timeout_s)
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+
+    def _all(self, method: str, *args, **kwargs):
+        """Call a collective on every rank; rank 0's result."""
+        return ray.get([getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks], timeout=self.timeout_s)[0]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _private_rss() -> int:
+    """Resident minus shared pages (Ray's object store maps shared memory into this process)."""
+    with open("/proc/self/statm") as f:
+        _, resident, shared, *_ = (int(x) for x in f.read().split())
+    import os
+
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,143 @@
+"""A sharded trainer: a 2-rank FSDP2 group (gloo, ranks on two nodes) synced into FP8_BLOCK rollouts.
+
+The reference for every sync is a sync of the same weights from a
+single-process trainer (the group's weights saved and loaded into a
+`TrainerActor`): the rollouts must serve identical tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+
+import refit
+from actors import TrainerGroup
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
+from refit.engine import Phase
+
+PROMPTS = make_prompts(24, PROMPT_LEN, seed=41)
+FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
+TWO_NODES = [{"node0": 0.01}, {"node1": 0.01}]
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def serve(replica):
+    return ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
+
+
+def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(actors_factory, ray_cluster, tmp_path):
+    group = TrainerGroup(model_dir(True, "bf16"), 2, reinitialize=True, seed=5, lr=3e-3, resources=TWO_NODES)
+    try:
+        replicas = [actors_factory.rollout(model_dir(True, "fp8_block"), node=n, **FP8_DUMMY) for n in (1, 2)]
+        reference = actors_factory.rollout(model_dir(True, "fp8_block"), node=2, **FP8_DUMMY)
+        syncer = refit.Syncer(group, replicas, refit.SyncConfig(bucket_bytes=256 << 10))
+        accuracies = []
+        for round_ in range(3):
+            for step in range(25):  # from a random init: ~0.3 counting accuracy after one round, ~0.95 after two
+                group.train_step(make_sequences(32, 32, seed=100 * round_ + step).tolist())
+            report = syncer.sync()
+            assert report.version == round_ + 1 and all(r.served_version == round_ + 1 for r in report.replicas)
+
+            single = actors_factory.trainer(group.save(tmp_path / f"round{round_}"), node=0)
+            refit.sync(single, reference)
+            expected = serve(reference)
+            for replica in replicas:
+                got = serve(replica)
+                assert got.token_ids == expected.token_ids
+                assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
+                assert max_abs_diff([r[1:] for r in got.prompt_logprobs], [r[1:] for r in expected.prompt_logprobs]) < 1e-5
+            rollout_accuracy = accuracy(PROMPTS, expected.token_ids)
+            trainer_accuracy = accuracy(PROMPTS, group.generate(PROMPTS, NEW_TOKENS))
+            accuracies.append((trainer_accuracy, rollout_accuracy))
+            ray.kill(single)
+
+        # Training moves the policy, and the FP8 rollouts follow it (FP8 rounding flips a few greedy tokens).
+        assert accuracies[-1][0] > accuracies[0][0] + 0.3, accuracies
+        assert all(abs(trainer - rollout) <= 0.15 for trainer, rollout in accuracies), accuracies
+
+        # Both paths ran: block-aligned shards quantized where they lie (q, o, gate, up, down), k and v
+        # (64 rows per rank, half an FP8 block) gathered, each rank owning half of them.
+        stats = group.stream_stats()
+        assert [s["quantized_rows"] for s in stats] == [10, 10]
+        assert [s["gather"] for s in stats] == [2, 2]
+        assert all(s["gathered_bytes"] == 4 * 128 * 256 * 2 for s in stats)  # every rank joins each all-gather
+    finally:
+        group.kill()
+
+
+def test_a_rank_killed_mid_sync_fails_it_by_name_within_the_deadline(actors_factory, ray_cluster):
+    group = TrainerGroup(model_dir(True, "bf16"), 2, resources=TWO_NODES, timeout_s=20)
+    try:
+        replicas = [actors_factory.rollout(model_dir(True, "fp8_block"), node=n, **FP8_DUMMY) for n in (1, 2)]
+        syncer = refit.Syncer(group, replicas, refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20))
+        syncer.sync()
+        threading.Timer(0.3, lambda: ray.kill(group.ranks[1])).start()
+        start = time.monotonic()
+        with pytest.raises(refit.RefitError, match="trainer rank 1") as error:
+            for _ in range(50):  # one of these is cut by the kill
+                syncer.sync()
+        assert time.monotonic() - start < 60
+        notes = "\n".join(error.value.__notes__)
+        for i, replica in enumerate(replicas):
+            status = ray.get(replica.status.remote())
+            assert status.phase in (Phase.SERVING, Phase.REFUSING), status  # whole, or refusing: never half-served
+            assert f"rollout {i}:" in notes
+    finally:
+        group.kill()
+
+
+def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster, tmp_path):
+    """Each rank holds its shards plus what one bucket needs; a full BF16 copy (108 MiB per rank here) would not fit."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir(False, "bf16"))
+    config.update({"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 8,
+                   "num_key_value_heads": 1, "head_dim": 128, "layer_types": ["full_attention"] * 8})
+    config.save_pretrained(tmp_path / "bf16")
+    quantized = json.loads((model_dir(False, "fp8_block") / "config.json").read_text())
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config.to_dict() | {"quantization_config": quantized["quantization_config"]}))
+
+    group = TrainerGroup(tmp_path / "bf16", 2, reinitialize=True, resources=TWO_NODES)
+    try:
+        metas = ray.get(group.ranks[0].weight_metadata.remote())
+        rollout = refit.RolloutModelInfo.from_checkpoint(tmp_path / "fp8", from_files=False)
+        sync_config = refit.SyncConfig(bucket_bytes=8 << 20, max_buckets_in_flight=2)
+        plan = refit.orchestration.make_plan(metas, rollout, sync_config)
+        streams = [rank.stream_buckets.options(num_returns="streaming", _generator_backpressure_num_objects=2).remote(plan)
+                   for rank in group.ranks]
+        for _ in plan.buckets:
+            for stream in streams:
+                ray.get(next(stream), timeout=60)  # what a replica does; the parts are then dropped
+        stats = group.stream_stats()
+        largest_gathered = max(t.source_bytes for t in plan.tensors if t.is_quantized and t.shape[0] % 256)  # k, v: 128 rows
+        # The bound: the bucket being built (its BF16 inputs, FP8 output and packed buffer: 3 bucket sizes),
+        # one gathered tensor, and 16 MiB of allocator slack. The rank's shards are already resident.
+        bound = 3 * sync_config.bucket_bytes + largest_gathered + (16 << 20)
+        full_copy = sum(t.source_bytes for t in plan.tensors) // 2
+        assert full_copy > bound
+        for s in stats:
+            assert s["peak_bytes"] < bound, (s, bound)
+            assert s["gather"] == 8 and s["gathered_bytes"] == 16 * largest_gathered  # k and v of 8 layers, owners alternate
+        print(f"per-rank peak above the shards: {[s['peak_bytes'] >> 20 for s in stats]} MiB; bound {bound >> 20} MiB; "
+              f"a full BF16 copy {full_copy >> 20} MiB")
+    finally:
+        group.kill()
+
+
+def test_ranks_that_disagree_on_a_tensor_are_refused_before_anything_starts():
+    from refit.orchestration.plan import TensorMeta
+    from refit.orchestration.syncer import _merge_metadata
+
+    a = TensorMeta("w", (4, 4), "bfloat16", ("Linear",))
+    b = TensorMeta("w", (4, 8), "bfloat16", ("Linear",))
+    with pytest.raises(refit.PlanMismatchError, match=r"w: \(4, 4\) bfloat16 on trainer rank 0, \(4, 8\) bfloat16 on trainer rank 1"):
+        _merge_metadata([("trainer rank 0", None), ("trainer rank 1", None)], [[a], [b]])
+    assert _merge_metadata([("r0", None), ("r1", None)], [[a], [TensorMeta("v", (2,), "bfloat16", ("Norm",))]])[1].name == "v"
