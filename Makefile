@@ -19,6 +19,7 @@ test: env
 bench: env
 	$(PY) -m benchmarks.bench_quantizer
 	$(PY) -m benchmarks.bench_sync
+	$(PY) -m benchmarks.bench_sharded
 
 # Regenerates the committed model fixtures: trains the tiny models in the main
 # venv, then quantizes them with the real llmcompressor in its own venv.

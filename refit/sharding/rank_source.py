@@ -38,7 +38,7 @@ class RankSource:
         self.group = group
         self.rank = torch.distributed.get_rank(group)
         self.gathered_bytes = 0  # BF16 bytes this rank received from all-gathers in the last stream
-        self.sent: dict[str, int] = {}  # tensors this rank sent in the last stream, per route (and "quantized_rows")
+        self.sent: dict[str, int] = {}  # in the last stream: tensors sent per route, "quantized_rows", "bytes"
         self._routes: tuple[tuple, dict[str, TensorRoute]] | None = None
 
     def routes(self, plan: TransferPlan) -> dict[str, TensorRoute]:
@@ -56,7 +56,7 @@ class RankSource:
         routes = self.routes(plan)
         self._preflight(plan, routes)
         self.gathered_bytes = 0
-        self.sent = {route.value: 0 for route in Route} | {"quantized_rows": 0}
+        self.sent = {route.value: 0 for route in Route} | {"quantized_rows": 0, "bytes": 0}
         for index, bucket in enumerate(plan.buckets):
             parts: list[tuple[str, torch.Tensor]] = []
             row_offsets: dict[str, int] = {}
@@ -76,7 +76,9 @@ class RankSource:
                 for name, tensor in loadable_form(planned.target, value.detach(), block):
                     parts.append((name, tensor))
                     row_offsets[name] = start if name == planned.target else start // planned.block[0]
-            yield pack_bucket(index, parts, row_offsets=row_offsets)
+            part = pack_bucket(index, parts, row_offsets=row_offsets)
+            self.sent["bytes"] += part.nbytes
+            yield part
 
     # -- where this rank's rows are ----------------------------------------------------------------------------------
     def _held(self, name: str) -> RowRange | None | object:

@@ -141,3 +141,23 @@ def test_ranks_that_disagree_on_a_tensor_are_refused_before_anything_starts():
     with pytest.raises(refit.PlanMismatchError, match=r"w: \(4, 4\) bfloat16 on trainer rank 0, \(4, 8\) bfloat16 on trainer rank 1"):
         _merge_metadata([("trainer rank 0", None), ("trainer rank 1", None)], [[a], [b]])
     assert _merge_metadata([("r0", None), ("r1", None)], [[a], [TensorMeta("v", (2,), "bfloat16", ("Norm",))]])[1].name == "v"
+
+
+def test_moe_group_sends_each_expert_from_the_rank_that_holds_it(actors_factory, ray_cluster):
+    """FSDP2 shards the fused experts by expert: each rank sends its experts whole, per expert, in FP8_BLOCK."""
+    moe = dict(tied=False, arch="qwen3_moe")
+    group = TrainerGroup(model_dir(variant="bf16", **moe), 2, resources=TWO_NODES)
+    try:
+        fresh = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=1, kv_cache_dtype="fp8_e4m3")
+        expected = serve(fresh)
+        ray.kill(fresh)
+        replica = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=2, **FP8_DUMMY)
+        refit.sync(group, replica)
+        got = serve(replica)
+        assert got.token_ids == expected.token_ids
+        assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
+        stats = group.stream_stats()
+        # 4 experts x 3 projections x 2 layers, 2 experts on each rank; the k/v projections (128 rows) gathered.
+        assert [s["whole"] for s in stats] == [12, 12] and [s["gather"] for s in stats] == [2, 2]
+    finally:
+        group.kill()
