@@ -140,6 +140,8 @@ class Syncer:
             for _ in plan.buckets:
                 parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
                 if any(part is None for part in parts):
+                    while in_flight:  # a trainer that failed ended its stream: the loads raise its error first
+                        wait_oldest()
                     ended = [who for (who, _), part in zip(self._sources, parts) if part is None]
                     raise PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(plan.buckets)} buckets")
                 bucket = parts[0] if len(parts) == 1 else [ref for part in parts for ref in _as_list(part)]
