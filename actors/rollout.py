@@ -23,14 +23,15 @@ from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
-from refit.errors import SyncTimeoutError
+from refit.errors import EngineError, InvalidTensorError, SyncTimeoutError
 from refit.orchestration.calls import remote_error
-from refit.orchestration.config import SyncConfig
+from refit.orchestration.config import SyncConfig, Verify
 from refit.orchestration.data_path import loadable_tensors
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
 from refit.transport.buckets import WireBucket
+from refit.verification import ProbeRequest, missing_tensors
 
 __all__ = ["RolloutActor"]
 
@@ -85,6 +86,7 @@ class RolloutActor:
                 raise
             self._open = (plan, config)
             self._progress = {"buckets": 0, "load_seconds": 0.0}
+            self._received: set[str] = set()
             return version
 
     @ray.method(concurrency_group="update")
@@ -93,33 +95,57 @@ class RolloutActor:
         with self._update_lock:
             self._lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
-            bucket = _fetch(bucket, config.timeout_s)
+            verify = config.verify is not Verify.OFF
+            tensors = loadable_tensors(plan, _fetch(bucket, config.timeout_s), verify=verify)
             self._lifecycle.loading(sync_id, version)
             start = time.perf_counter()
-            self.engine.load(loadable_tensors(plan, bucket), version)
+            self.engine.load(tensors, version, verify=verify)
+            self._received |= {name for name, _ in tensors}
             seconds = time.perf_counter() - start
             self._progress["buckets"] += 1
             self._progress["load_seconds"] += seconds
             return seconds
 
     @ray.method(concurrency_group="update")
-    def finish_update(self, sync_id: str, version: int) -> tuple[float, list[str]]:
-        """Check completeness, finalize, run the post-refit stage, serve `version`; returns (seconds, scales written)."""
+    def finish_update(
+        self, sync_id: str, version: int, probe: ProbeRequest | None = None
+    ) -> tuple[float, list[str], str, bool | None]:
+        """Verify, finalize, run the post-refit stage (and the probe), serve `version`.
+
+        Returns (seconds, KV scales written, verification outcome, probe
+        passed or None). A failed check raises; the sync then aborts the
+        update and this replica refuses.
+        """
         with self._update_lock:
             self._lifecycle.renew(sync_id, "finish_update")
             start = time.perf_counter()
-            _, config = self._open
-            self.engine.finish_update()  # refuses an incomplete update; the sync then aborts it
+            plan, config = self._open
+            outcome, probe_passed = "off", None
+            if config.verify is not Verify.OFF:
+                missing = missing_tensors(plan, self._received)
+                if missing:
+                    raise InvalidTensorError(
+                        f"the sync did not deliver {len(missing)} tensor(s) of the plan: {', '.join(missing[:8])}; "
+                        "this replica will not serve a partial update"
+                    )
+            self.engine.finish_update()  # refuses an incomplete update, or scales the engine holds wrongly
+            if config.verify is not Verify.OFF:
+                outcome = f"checksums, {len(self._received)} tensors complete, scales read back"
             try:
                 written = self.engine.apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
+                if probe is not None:
+                    result = self.engine.probe(probe)
+                    outcome, probe_passed = f"{outcome}; {result}", result.passed
+                    if not result.passed and probe.fail:
+                        raise EngineError(f"the logprob probe after the refit failed: {result}")
             except BaseException as error:
-                self._close(sync_id, f"the post-refit KV-scale stage failed: {error}", model_changed=True)
+                self._close(sync_id, f"the post-refit stage failed: {error}", model_changed=True)
                 raise
             self._open = None
             self._lifecycle.finished(sync_id, version)
             seconds = time.perf_counter() - start
-            self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written)
-            return seconds, written
+            self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome)
+            return seconds, written, outcome, probe_passed
 
     @ray.method(concurrency_group="update")
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:

@@ -19,6 +19,7 @@ from refit.orchestration.checkpoint_format import CheckpointView
 from refit.orchestration.data_path import produce_buckets
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.transport.buckets import WireBucket
+from refit.verification.probe import prompt_logprobs
 
 __all__ = ["TrainerActor"]
 
@@ -53,6 +54,11 @@ class TrainerActor:
             if bucket is None:
                 return
             yield bucket
+
+    @torch.no_grad()
+    def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per prompt, the logprob of each token after the first (the logprob probe's reference)."""
+        return prompt_logprobs(self.model, prompts)
 
     def last_stream_seconds(self) -> float:
         """Time spent checking, quantizing and packing in the last stream (optional in the protocol)."""

@@ -31,6 +31,7 @@ from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.sharding.process_group import free_port, init_trainer_group
 from refit.sharding.rank_source import RankSource
 from refit.transport.buckets import WireBucket
+from refit.verification.probe import prompt_logprobs
 
 __all__ = ["TrainerGroup", "TrainerRank"]
 
@@ -95,6 +96,11 @@ class TrainerRank:
         finally:
             stop.set()
             sampler.join()
+
+    @torch.no_grad()
+    def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The logprob probe's reference (a collective: every rank runs the forward pass)."""
+        return prompt_logprobs(self.model, prompts)
 
     def last_stream_seconds(self) -> float:
         return self._stream_seconds

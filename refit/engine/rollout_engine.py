@@ -24,6 +24,7 @@ from refit.errors import EngineError
 from refit.orchestration.plan import RolloutModelInfo
 from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource, refuse_invalid_scales
 from refit.tokens import token_prompts
+from refit.verification.probe import ProbeRequest, ProbeResult, compare, thresholds_for
 
 __all__ = ["Generation", "RolloutEngine"]
 
@@ -70,10 +71,17 @@ class RolloutEngine:
         """Put every layer in loadable form."""
         self.llm.collective_rpc("start_weight_update")
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load one bucket of tensors in the form vLLM's loaders take."""
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int, *, verify: bool = False) -> None:
+        """Load one bucket of tensors in the form vLLM's loaders take; `verify`: read the scales back at finish."""
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
-        self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors)},))
+        self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors), "verify": verify},))
+
+    def probe(self, request: ProbeRequest) -> ProbeResult:
+        """Score the probe prompts and compare with the trainer's logprobs, at this engine's precision's thresholds."""
+        scored = self.generate([list(p) for p in request.prompts], max_tokens=1, prompt_logprobs=True)
+        fp8_kv = str(self.llm.llm_engine.vllm_config.cache_config.cache_dtype).startswith("fp8")
+        thresholds = thresholds_for(self.model_info.quantization_config is not None, fp8_kv)
+        return compare([row[1:] for row in scored.prompt_logprobs], request.reference, thresholds)
 
     def finish_update(self) -> None:
         """Refuse an incomplete update (reload left open for `abandon_update`), else finalize it."""

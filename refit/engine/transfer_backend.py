@@ -31,6 +31,7 @@ import torch
 
 from refit.engine.compat import incompatible_vllm, require_vllm_release
 from refit.engine.config import TRANSFER_BACKEND
+from refit.engine.readback import scale_mismatches
 from refit.errors import EngineError, LifecycleError
 
 try:
@@ -41,6 +42,7 @@ try:
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.platforms import current_platform
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
 from refit.provenance import AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
@@ -60,6 +62,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
     version: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    verify: bool = False  # keep the streamed weight scales and read the engine's back at finish
 
 
 class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -90,6 +93,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._update_version = None
         self._loaded = set()
         self._streamed = set()
+        self._sent_scales: dict[str, torch.Tensor] = {}
+        self._verify = False
         # In loadable form every parameter is one `load_weights` can report,
         # except the attention layers' own (KV-cache scales, zero points): the
         # post-refit stage owns those, and a stream may or may not carry them.
@@ -113,6 +118,9 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._update_version = update_info.version
         self._loaded |= set(self.model.load_weights(update_info.tensors))
         self._streamed |= {name for name, _ in update_info.tensors}
+        self._verify = update_info.verify
+        if update_info.verify:  # scales are 1/16384 of their weights: cheap to keep until finish
+            self._sent_scales |= {n: t.detach().clone() for n, t in update_info.tensors if n.endswith("weight_scale")}
 
     def finish_weight_update(self) -> None:
         """Refuse an incomplete update, else finalize layerwise reload (attention layers last) and record provenance.
@@ -129,6 +137,14 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             )
         self._finalize()
         self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
+        if self._verify and current_platform.is_cpu():  # elsewhere kernels may keep scales in a layout of their own
+            wrong = scale_mismatches(self.model, self.provenance, self._sent_scales)
+            if wrong:
+                raise EngineError(
+                    f"after the reload the engine holds weight scales that differ from what the sync sent, in "
+                    f"{len(wrong)} place(s): {', '.join(wrong[:8])}; this replica will not serve them"
+                )
+        self._sent_scales = {}
 
     def abandon(self) -> None:
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""

@@ -16,7 +16,15 @@ from refit.errors import ConfigError, InvalidTensorError
 from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
 
-__all__ = ["QuantizeOn", "SyncConfig", "coerce_enum"]
+__all__ = ["QuantizeOn", "SyncConfig", "Verify", "coerce_enum"]
+
+
+class Verify(StrEnum):
+    """How much of a sync is verified (see `refit.verification`)."""
+
+    OFF = "off"
+    CHECKSUMS = "checksums"  # in transit (CRC-32), complete (every tensor), in the engine (scales read back)
+    PROBE = "probe"  # the same, plus the logprob probe against the trainer, before serving
 
 
 class QuantizeOn(StrEnum):
@@ -48,6 +56,16 @@ class SyncConfig:
     moves. Turn it off only for a model whose trainer names differ from its checkpoint's and which
     vLLM maps itself; the engine's check that every weight was loaded still applies."""
 
+    verify: Verify = Verify.CHECKSUMS
+    """`"checksums"` (default), `"probe"` (also the logprob probe; the trainer needs `reference_logprobs`),
+    or `"off"`."""
+
+    on_probe_breach: str = "fail"
+    """What a breached probe threshold does: `"fail"` the sync (replicas refuse) or `"flag"` it in the report."""
+
+    progress: bool | None = None
+    """A progress bar over buckets on stderr; None: only when stderr is a terminal."""
+
     timeout_s: float = 120.0
     """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A replica or
     trainer that dies or stops answering fails the sync, naming it, within this time; a replica
@@ -56,13 +74,17 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy)):
+        for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy), ("verify", Verify)):
             try:
                 object.__setattr__(self, name, coerce_enum(enum, getattr(self, name), name))
             except ConfigError as error:
                 problems.append(str(error))
         _check_positive_int(problems, "bucket_bytes", self.bucket_bytes)
         _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight)
+        if self.on_probe_breach not in ("fail", "flag"):
+            problems.append(f"on_probe_breach={self.on_probe_breach!r}: expected 'fail' or 'flag'")
+        if self.progress not in (None, True, False):
+            problems.append(f"progress={self.progress!r}: expected True, False or None")
         if not isinstance(self.check_against_rollout, bool):
             problems.append(f"check_against_rollout={self.check_against_rollout!r}: expected True or False")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:

@@ -18,6 +18,7 @@ from refit.orchestration.plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer.fp8_block import is_finite, loadable_form
 from refit.transport.buckets import WireBucket, pack_bucket
+from refit.transport.checksums import crc32
 
 __all__ = ["loadable_tensors", "produce_buckets"]
 
@@ -39,17 +40,22 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
         yield pack_bucket(index, wire)
 
 
-def loadable_tensors(plan: TransferPlan, parts: WireBucket | Sequence[WireBucket]) -> list[tuple[str, torch.Tensor]]:
+def loadable_tensors(
+    plan: TransferPlan, parts: WireBucket | Sequence[WireBucket], *, verify: bool = True
+) -> list[tuple[str, torch.Tensor]]:
     """A bucket as the tensors vLLM's loaders take (quantized here if the plan says so).
 
     `parts`: the bucket from one trainer, or one part from each rank of a
-    sharded trainer, whose row slices are put back together here.
+    sharded trainer, whose row slices are put back together here. `verify`:
+    check every tensor's bytes against the CRC-32 its sender computed.
     """
     parts = [parts] if isinstance(parts, WireBucket) else list(parts)
     index = {part.index for part in parts}
     if len(index) != 1:
         raise PlanMismatchError(f"parts of different buckets {sorted(index)} arrived as one; the ranks disagree on the plan")
     planned = {t.target: t for t in plan.buckets[index.pop()]}
+    if verify:
+        _check_checksums(parts)
     tensors = _assemble(parts)
     wrong = [f"{name}: {tuple(value.shape)} arrived, the plan has {planned[name].shape}"
              for name, value in tensors if name in planned and tuple(value.shape) != planned[name].shape]
@@ -61,6 +67,16 @@ def loadable_tensors(plan: TransferPlan, parts: WireBucket | Sequence[WireBucket
     for name, value in tensors:
         out += loadable_form(name, value, planned[name].block)
     return out
+
+
+def _check_checksums(parts: list[WireBucket]) -> None:
+    altered = [entry.name for part in parts for entry, tensor in part.unpack_rows()
+               if entry.crc32 is not None and crc32(tensor) != entry.crc32]
+    if altered:
+        raise InvalidTensorError(
+            f"bucket {parts[0].index} arrived altered (CRC-32 differs from the sender's) in: {', '.join(altered)}; "
+            "nothing of it was loaded"
+        )
 
 
 def _assemble(parts: list[WireBucket]) -> list[tuple[str, torch.Tensor]]:

@@ -59,6 +59,7 @@ class RolloutModelInfo:
     quantization_config: dict[str, Any] | None
     tie_word_embeddings: bool
     weights: tuple[ExpectedWeight, ...] | None = None  # None: unknown, the plan is not checked against it
+    vocab_size: int | None = None  # for the logprob probe's prompts
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> RolloutModelInfo:
@@ -66,7 +67,9 @@ class RolloutModelInfo:
         model's fields in `text_config`."""
         text_config = config.get("text_config") or config
         quantization = config.get("quantization_config")
-        return cls(dict(quantization) if quantization else None, bool(text_config.get("tie_word_embeddings", False)))
+        vocab = text_config.get("vocab_size")
+        return cls(dict(quantization) if quantization else None, bool(text_config.get("tie_word_embeddings", False)),
+                   vocab_size=int(vocab) if vocab else None)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, *, from_files: bool) -> RolloutModelInfo:
@@ -77,7 +80,7 @@ class RolloutModelInfo:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         info = cls.from_hf_config(config)
         return cls(info.quantization_config, info.tie_word_embeddings,
-                   expected_weights(model_dir, info.quantization_config, from_files=from_files))
+                   expected_weights(model_dir, info.quantization_config, from_files=from_files), info.vocab_size)
 
 
 @dataclass(frozen=True, slots=True)

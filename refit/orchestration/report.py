@@ -13,8 +13,9 @@ class ReplicaReport:
     node_id: str
     served_version: int | None
     load_seconds: float  # inside load_weights, all buckets
-    finish_seconds: float  # reload finalization + post-refit stage
+    finish_seconds: float  # verification, reload finalization, post-refit stage, probe
     kv_scales_written: tuple[str, ...]
+    verification: str = ""  # what was verified, and the probe's outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,10 @@ class SyncReport:
     trainer_seconds: float | None  # preflight checks, quantization and packing (if the trainer reports it)
     total_seconds: float
     replicas: tuple[ReplicaReport, ...]
+    begin_seconds: float = 0.0  # every replica paused and its reload started
+    stream_seconds: float = 0.0  # first bucket requested to last bucket loaded everywhere
+    finish_seconds: float = 0.0  # every replica verified, finished and serving
+    probe_breached: bool = False  # the probe breached its thresholds somewhere and `on_probe_breach="flag"`
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -35,12 +40,16 @@ class SyncReport:
         mib = self.bytes_on_wire / 2**20
         lines = [
             f"sync v{self.version}: {self.tensors} tensors in {self.buckets} buckets, {mib:.1f} MiB on the wire, "
-            f"{self.total_seconds:.3f} s total (plan {self.plan_seconds:.3f} s"
-            + (f", trainer {self.trainer_seconds:.3f} s)" if self.trainer_seconds is not None else ")")
+            f"{self.total_seconds:.3f} s total (plan {self.plan_seconds:.3f} s, begin {self.begin_seconds:.3f} s, "
+            f"stream {self.stream_seconds:.3f} s, finish {self.finish_seconds:.3f} s"
+            + (f"; trainer busy {self.trainer_seconds:.3f} s)" if self.trainer_seconds is not None else ")")
         ]
         lines += [
             f"  replica {r.replica} on {r.node_id[:8]}: load {r.load_seconds:.3f} s, finish {r.finish_seconds:.3f} s, "
             f"serves v{r.served_version}, {len(r.kv_scales_written)} KV scales written"
+            + (f"; verified: {r.verification}" if r.verification else "")
             for r in self.replicas
         ]
+        if self.probe_breached:
+            lines.append("  WARNING: the logprob probe breached its thresholds (on_probe_breach='flag')")
         return "\n".join(lines)

@@ -28,17 +28,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from refit.errors import ConfigError, PlanMismatchError
+from refit.errors import ConfigError, EngineError, InvalidTensorError, PlanMismatchError
 from refit.orchestration.calls import BucketStream, call_all, is_actor, raise_first_error, submit_all, summary, wait_all
-from refit.orchestration.config import SyncConfig
+from refit.orchestration.config import SyncConfig, Verify
+from refit.orchestration.metrics import record_failure, record_sync
 from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan, make_plan
 from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
+from refit.verification.probe import ProbeRequest, probe_prompts
 
 __all__ = ["Syncer", "sync"]
 
@@ -68,13 +71,15 @@ class Syncer:
         problems = [f"{who} lacks {m}()" for who, source in self._sources for m in missing_methods(source, WeightSource)]
         for i, replica in enumerate(self.rollouts):
             problems += [f"rollout {i} lacks {m}()" for m in missing_methods(replica, RolloutReplica)]
-        if problems:
-            raise ConfigError(
-                "these actors cannot be synced (see refit.protocols):\n  " + "\n  ".join(problems)
-            )
         self.config = config or SyncConfig()
+        if self.config.verify is Verify.PROBE:
+            problems += [f"{who} lacks reference_logprobs(), which verify='probe' needs"
+                         for who, source in self._sources if not has_method(source, "reference_logprobs")]
+        if problems:
+            raise ConfigError("these actors cannot be synced (see refit.protocols):\n  " + "\n  ".join(problems))
         self._replicas = [(f"rollout {i}", r) for i, r in enumerate(self.rollouts)]
         self._plan: TransferPlan | None = None
+        self._rollout_model: RolloutModelInfo | None = None
 
     def plan(self) -> TransferPlan:
         """The transfer plan, made on first use from both sides' metadata."""
@@ -84,6 +89,7 @@ class Syncer:
             _check_same_model(infos)
             metadata = raise_first_error(call_all(self._sources, "weight_metadata", timeout_s=timeout))
             self._plan = make_plan(_merge_metadata(self._sources, metadata), infos[0], self.config)
+            self._rollout_model = infos[0]
         return self._plan
 
     def sync(self) -> SyncReport:
@@ -95,22 +101,30 @@ class Syncer:
         sync_id = uuid.uuid4().hex[:12]
         timeout = self.config.timeout_s
 
+        stages: dict[str, float] = {}
         try:
+            stage = time.perf_counter()
             proposals = raise_first_error(call_all(self._replicas, "begin_update", plan, sync_id, self.config, timeout_s=timeout))
             version = max(proposals)
+            stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
             log.debug("sync %s v%d: began on %d replica(s)", sync_id, version, len(self.rollouts))
             load_seconds = self._stream(plan, sync_id, version)
+            stages["stream"], stage = time.perf_counter() - stage, time.perf_counter()
             log.debug("sync %s v%d: streamed %d bucket(s), %.1f MiB per replica, in %.3f s",
                      sync_id, version, len(plan.buckets), plan.wire_bytes / 2**20, time.perf_counter() - start)
-            finished = raise_first_error(call_all(self._replicas, "finish_update", sync_id, version, timeout_s=timeout))
+            probe = () if self.config.verify is not Verify.PROBE else (self._probe_request(),)
+            finished = raise_first_error(call_all(self._replicas, "finish_update", sync_id, version, *probe, timeout_s=timeout))
+            stages["finish"] = time.perf_counter() - stage
         except BaseException as error:
             self._abort(sync_id, error)
             log.warning("sync %s failed: %s\n  %s", sync_id, summary(error), "\n  ".join(getattr(error, "__notes__", [])))
+            record_failure(verification_failed=isinstance(error, (InvalidTensorError, EngineError)))
             raise
         log.info("sync %s v%d: every replica serves it (%.3f s)", sync_id, version, time.perf_counter() - start)
 
         nodes = raise_first_error(call_all(self._replicas, "node_id", timeout_s=timeout))
-        return SyncReport(
+        finished = [(*f, "", None)[:4] for f in finished]  # custom replicas may return (seconds, written) only
+        report = SyncReport(
             version=version,
             tensors=len(plan.tensors),
             buckets=len(plan.buckets),
@@ -119,10 +133,18 @@ class Syncer:
             trainer_seconds=self._trainer_seconds(),
             total_seconds=time.perf_counter() - start,
             replicas=tuple(
-                ReplicaReport(i, nodes[i], version, load_seconds[i], finished[i][0], tuple(finished[i][1]))
+                ReplicaReport(i, nodes[i], version, load_seconds[i], finished[i][0], tuple(finished[i][1]), finished[i][2])
                 for i in range(len(self.rollouts))
             ),
+            begin_seconds=stages["begin"],
+            stream_seconds=stages["stream"],
+            finish_seconds=stages["finish"],
+            probe_breached=any(f[3] is False for f in finished),
         )
+        if report.probe_breached:
+            log.warning("sync %s v%d: the logprob probe breached its thresholds (flagged, not failed)", sync_id, version)
+        record_sync(report, verified=self.config.verify is not Verify.OFF)
+        return report
 
     def _stream(self, plan: TransferPlan, sync_id: str, version: int) -> list[float]:
         """Hand each bucket to every replica as it is produced; bounded in flight, every wait bounded."""
@@ -134,8 +156,10 @@ class Syncer:
             spent = raise_first_error(wait_all(in_flight.popleft(), "load_bucket", timeout_s=timeout))
             for replica, value in enumerate(spent):
                 seconds[replica] += value
+            progress.update()
 
         streams = [BucketStream(source, plan, self.config.max_buckets_in_flight) for _, source in self._sources]
+        progress = _progress_bar(self.config.progress, len(plan.buckets), version)
         try:
             for _ in plan.buckets:
                 parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
@@ -154,9 +178,19 @@ class Syncer:
             if extra:
                 raise PlanMismatchError(f"{', '.join(extra)} streamed more buckets than the plan's {len(plan.buckets)}")
         finally:
+            progress.close()
             for stream in streams:
                 stream.close()
         return seconds
+
+    def _probe_request(self) -> ProbeRequest:
+        """The probe prompts for the rollout's vocabulary and the trainer's logprobs on them (its current weights)."""
+        vocab = self._rollout_model.vocab_size
+        if vocab is None:
+            raise ConfigError("verify='probe' needs the rollout model's vocab_size, which its config.json lacks")
+        prompts = probe_prompts(vocab)
+        reference = raise_first_error(call_all(self._sources, "reference_logprobs", prompts, timeout_s=self.config.timeout_s))[0]
+        return ProbeRequest(tuple(map(tuple, prompts)), tuple(map(tuple, reference)), fail=self.config.on_probe_breach == "fail")
 
     def _abort(self, sync_id: str, error: BaseException) -> None:
         """Close the update on every replica (bounded); attach what each was left doing to `error`."""
@@ -179,6 +213,14 @@ def sync(
 ) -> SyncReport:
     """One-off sync. For repeated syncs keep a `Syncer`: it plans once."""
     return Syncer(trainer, rollouts, config).sync()
+
+
+def _progress_bar(wanted: bool | None, total: int, version: int) -> Any:
+    """A bar over buckets on stderr when asked, or by default when stderr is a terminal; else a no-op."""
+    from tqdm.auto import tqdm
+
+    show = sys.stderr.isatty() if wanted is None else wanted
+    return tqdm(total=total, unit="bucket", desc=f"refit sync v{version}", disable=not show, leave=False)
 
 
 def _weight_sources(trainer: Any) -> list[tuple[str, Any]]:

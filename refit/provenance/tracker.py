@@ -59,6 +59,7 @@ class ScaleProvenanceTracker:
         self._sources: dict[tuple[str, str], tuple[ScaleSource, int | None]] = {}
         self._kinds: dict[tuple[str, str], str] = {}
         self._experts: dict[tuple[str, str], _ExpertScale] = {}  # per-expert records of fused MoE scales
+        self._packed_modules: Mapping[str, list[str]] = {}
         for module_name, module in model.named_modules():
             if is_attention_layer(module):
                 for scale in ATTENTION_SCALES:
@@ -89,6 +90,7 @@ class ScaleProvenanceTracker:
         `qkv_proj -> [q_proj, k_proj, v_proj]`): a fused module's scale came
         from the checkpoint only if every shard's scale was there.
         """
+        self._packed_modules = packed_modules
         for module, scale in self._kinds:
             expert = self._experts.get((module, scale))
             names = expert.checkpoint_names if expert else _checkpoint_names(module, scale, packed_modules)
@@ -123,6 +125,19 @@ class ScaleProvenanceTracker:
     def source(self, module: str, scale: str) -> ScaleSource:
         return self._sources[(module, scale)][0]
 
+    def weight_scales(self) -> list[WeightScale]:
+        """Every FP8 weight scale: its record's name, the vLLM parameter holding it, and its checkpoint pieces in row order."""
+        out = []
+        for (module, scale), kind in self._kinds.items():
+            if kind != "weight":
+                continue
+            expert = self._experts.get((module, scale))
+            if expert:
+                out.append(WeightScale(module, scale, expert.module, expert.index, expert.checkpoint_names))
+            else:
+                out.append(WeightScale(module, scale, module, None, tuple(_checkpoint_names(module, scale, self._packed_modules))))
+        return out
+
     def attention_scales(self) -> list[tuple[str, str]]:
         return [key for key, kind in self._kinds.items() if kind == "attention"]
 
@@ -139,6 +154,16 @@ class ScaleProvenanceTracker:
                 value = float(getattr(modules[expert.module], scale)[expert.index].detach().abs().max())
             out.append(ScaleRecord(module, scale, kind, source, version, value))
         return out
+
+
+class WeightScale(NamedTuple):
+    """One FP8 weight scale as a record names it, where vLLM holds it, and the checkpoint scales it is made of."""
+
+    module: str  # as in the provenance record
+    scale: str
+    vllm_module: str
+    index: int | None  # the expert, within a fused-experts parameter
+    checkpoint_names: tuple[str, ...]  # concatenated by rows, in this order
 
 
 class _ExpertScale(NamedTuple):

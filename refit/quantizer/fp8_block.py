@@ -66,6 +66,11 @@ def quantize_fp8_block(
     return q, scale
 
 
+def scale_name(name: str) -> str:
+    """The checkpoint name of FP8_BLOCK weight `name`'s block scale (`x.weight` -> `x.weight_scale`)."""
+    return name + "_scale"
+
+
 def loadable_form(
     name: str, weight: torch.Tensor, block: tuple[int, int] | None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +78,7 @@ def loadable_form(
     if block is None:
         return [(name, weight)]
     q, scale = quantize_fp8_block(weight, block, name=name)
-    return [(name, q), (name + "_scale", scale)]
+    return [(name, q), (scale_name(name), scale)]
 
 
 def is_finite(tensor: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ sidestep Ray's lack of float8 support (in Ray 2.60 `ray.get` of a
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from refit.errors import InvalidTensorError
+from refit.transport.checksums import crc32
 
 __all__ = ["WireBucket", "WireTensor", "pack_bucket"]
 
@@ -41,6 +43,7 @@ class WireTensor:
     offset: int
     nbytes: int
     row_offset: int = 0
+    crc32: int | None = None  # of the bytes, computed by the sender while packing
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +85,10 @@ def pack_bucket(
         offset += -(-nbytes // _ALIGN) * _ALIGN
     buffer = np.empty(offset, dtype=np.uint8)
     flat = torch.from_numpy(buffer)
-    for entry, (_, tensor) in zip(table, items):
-        flat[entry.offset : entry.offset + entry.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+    for i, (entry, (_, tensor)) in enumerate(zip(table, items)):
+        packed = flat[entry.offset : entry.offset + entry.nbytes]
+        packed.copy_(tensor.contiguous().view(-1).view(torch.uint8))
+        table[i] = dataclasses.replace(entry, crc32=crc32(packed))
     return WireBucket(index, tuple(table), buffer)
 
 

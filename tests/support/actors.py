@@ -74,3 +74,13 @@ def rss_bytes(_actor) -> int:
     with open(f"/proc/{os.getpid()}/statm") as f:
         _, resident, shared, *_ = (int(x) for x in f.read().split())
     return (resident - shared) * os.sysconf("SC_PAGE_SIZE")
+
+
+def double_weight_scale(rollout, module: str) -> None:
+    """Corrupt one FP8 block scale inside a rollout's engine (doubles its first block)."""
+
+    def corrupt(worker) -> None:
+        scale = dict(worker.model_runner.model.named_modules())[module].weight_scale
+        scale.data[0, 0] *= 2
+
+    rollout.engine.llm.collective_rpc(corrupt)

@@ -1,0 +1,30 @@
+"""Completeness in checkpoint form: every tensor of the plan reached the replica, each FP8 weight with its scale.
+
+The engine's own completeness check (`RefitTransferBackend.finish_weight_update`)
+works on vLLM's parameters, which fuse several checkpoint tensors (q, k and v
+in `qkv_proj`; every expert of a layer in `w13_weight`): a parameter counts
+as loaded as soon as one of its pieces is. This check names the piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from refit.orchestration.plan import TransferPlan
+from refit.quantizer.fp8_block import scale_name
+
+__all__ = ["expected_tensors", "missing_tensors"]
+
+
+def expected_tensors(plan: TransferPlan) -> set[str]:
+    """The checkpoint-form names a replica receives for `plan`: every target, and the scale of each FP8 one."""
+    names = set()
+    for tensor in plan.tensors:
+        names.add(tensor.target)
+        if tensor.block is not None:
+            names.add(scale_name(tensor.target))
+    return names
+
+
+def missing_tensors(plan: TransferPlan, received: Iterable[str]) -> list[str]:
+    return sorted(expected_tensors(plan) - set(received))
