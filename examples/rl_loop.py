@@ -45,7 +45,17 @@ class Round:
     mean_reward: float
     rollout_accuracy: float  # greedy, on held-out prompts, through the FP8 rollouts
     trainer_accuracy: float  # greedy, the same prompts, on the trainer's bf16 model
-    sync_seconds: float
+    sync: refit.SyncReport
+    provenance: str  # where rollout 0's scales came from, in one line
+
+
+def provenance_summary(records) -> str:
+    """Rollout 0's scales counted by source, e.g. "14 weight refit@v3, 4 attention default@v3"."""
+    counts: dict[str, int] = {}
+    for r in records:
+        key = f"{r.kind} {r.source}" + (f"@v{r.version}" if r.version is not None else "")
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {key}" for key, n in sorted(counts.items()))
 
 
 def reward(prompt: Sequence[int], completion: Sequence[int]) -> float:
@@ -65,7 +75,10 @@ def run(trainer, rollouts, *, rounds: int, prompts_per_round: int, group: int, w
     for step in range(warmup_steps):
         ray.get(trainer.train_step.remote(make_sequences(32, 24, seed=step).tolist()))
     ray.get(trainer.set_learning_rate.remote(rl_lr))
-    syncer = refit.Syncer(trainer, rollouts, refit.SyncConfig(bucket_bytes=bucket_bytes))
+    # Every sync is verified (checksums, completeness, scales read back) and probed: each rollout's logprobs
+    # on fixed prompts against the trainer's, before it serves; a breach is flagged in the report.
+    config = refit.SyncConfig(bucket_bytes=bucket_bytes, verify="probe", on_probe_breach="flag")
+    syncer = refit.Syncer(trainer, rollouts, config)
     held_out = make_prompts(64, PROMPT_LEN, seed=99_999)
     history = []
     for index in range(rounds):
@@ -90,9 +103,14 @@ def run(trainer, rollouts, *, rounds: int, prompts_per_round: int, group: int, w
 
         greedy = ray.get(rollouts[0].generate.remote(held_out, NEW_TOKENS)).token_ids
         trained = ray.get(trainer.generate.remote(held_out, NEW_TOKENS))
+        provenance = provenance_summary(ray.get(rollouts[0].scale_records.remote()))
         history.append(Round(index, report.version, statistics.fmean(rewards), accuracy(held_out, greedy),
-                             accuracy(held_out, trained), report.total_seconds))
-        print(f"round {index}: v{report.version} synced in {report.total_seconds:.2f} s, mean reward "
+                             accuracy(held_out, trained), report, provenance))
+        probe = report.replicas[0].verification.rpartition("; ")[2]
+        print(f"round {index}: v{report.version} synced in {report.total_seconds:.2f} s "
+              f"(plan {report.plan_seconds:.2f}, begin {report.begin_seconds:.2f}, stream {report.stream_seconds:.2f}, "
+              f"finish {report.finish_seconds:.2f}); "
+              f"{'BREACHED ' if report.probe_breached else ''}{probe}; scales: {provenance}; mean reward "
               f"{history[-1].mean_reward:.3f}, greedy accuracy rollout {history[-1].rollout_accuracy:.2f} "
               f"trainer {history[-1].trainer_accuracy:.2f}", flush=True)
     return history

@@ -94,7 +94,15 @@ def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
 
 
 @pytest.mark.engine
-def test_demo_runs_the_loop_on_its_own_three_node_cluster_and_prints_provenance():
-    out = run_python(["-m", "examples.demo", "--rounds", "2", "--warmup-steps", "20"])
+def test_demo_runs_the_loop_on_its_own_three_node_cluster_and_prints_provenance(tmp_path):
+    png = tmp_path / "demo.png"
+    out = run_python(["-m", "examples.demo", "--rounds", "2", "--warmup-steps", "20", "--plot", str(png)])
     assert re.search(r"2 rounds, versions v1\.\.v2; .* stayed within 0\.\d\d of the trainer's", out), out
     assert re.search(r"model\.layers\.1\.mlp\.down_proj +weight_scale +refit +2 ", out), out
+    rounds = re.findall(r"round \d: v\d synced in [\d.]+ s \(plan [\d.]+, begin [\d.]+, stream [\d.]+, finish [\d.]+\); "
+                        r"probe passed: .*; scales: (.*); mean reward", out)
+    assert len(rounds) == 2, out
+    assert rounds[1] == "8 attention default@v1, 8 weight refit@v2"  # KV placeholders reset once, at v1
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 10_000
+    noise = [line for line in out.splitlines() if "WARNING" in line and "refit" not in line]
+    assert len(noise) <= 5, noise  # refit's own lines, not a wall of warnings
