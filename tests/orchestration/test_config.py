@@ -82,3 +82,15 @@ def test_a_trainer_process_does_not_import_vllm():
     )
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True, check=True, cwd=REPO)
     assert json.loads(out.stdout) == []
+
+
+def test_verification_settings_are_checked():
+    from refit.orchestration.config import Verify
+
+    assert SyncConfig().verify is Verify.CHECKSUMS
+    assert SyncConfig(verify="probe").verify is Verify.PROBE
+    with pytest.raises(ConfigError) as error:
+        SyncConfig(verify="sha", on_probe_breach="ignore", progress="yes")
+    message = str(error.value)
+    assert "verify='sha': expected one of ['off', 'checksums', 'probe']" in message
+    assert "on_probe_breach='ignore'" in message and "progress='yes'" in message

@@ -90,3 +90,30 @@ def test_objects_without_the_protocol_methods_are_refused_by_name():
         Syncer(object(), replicas)
     with pytest.raises(ConfigError, match="at least one"):
         Syncer(trainer, [])
+
+
+def test_a_progress_bar_over_buckets_when_asked_and_none_by_default_off_a_terminal(capsys):
+    from dataclasses import replace
+
+    trainer, replicas = setup()
+    report = Syncer(trainer, replicas, replace(CONFIG, progress=True)).sync()
+    bar = capsys.readouterr().err
+    assert "refit sync v1" in bar and f"{report.buckets}/{report.buckets}" in bar
+    Syncer(trainer, replicas, CONFIG).sync()  # progress=None: stderr is not a terminal under pytest
+    assert "refit sync" not in capsys.readouterr().err
+
+
+def test_verify_probe_needs_a_trainer_that_can_score_prompts():
+    from dataclasses import replace
+
+    trainer, replicas = setup()
+    with pytest.raises(ConfigError, match=r"the trainer lacks reference_logprobs\(\), which verify='probe' needs"):
+        Syncer(trainer, replicas, replace(CONFIG, verify="probe"))
+
+
+def test_the_report_times_every_stage():
+    trainer, replicas = setup()
+    report = Syncer(trainer, replicas, CONFIG).sync()
+    stages = report.plan_seconds + report.begin_seconds + report.stream_seconds + report.finish_seconds
+    assert 0 < stages <= report.total_seconds
+    assert "stream" in report.summary()
