@@ -9,12 +9,12 @@ policy-gradient step, and greedy generation as a reference.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 
 import ray
 import torch
 
+from actors._measure import timed
 from refit.orchestration.checkpoint_format import CheckpointView
 from refit.orchestration.data_path import produce_buckets
 from refit.orchestration.plan import TensorMeta, TransferPlan
@@ -47,13 +47,10 @@ class TrainerActor:
         self._stream_seconds = 0.0
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
         buckets = produce_buckets(plan, CheckpointView(self.model).tensor)
-        while True:
-            start = time.perf_counter()
-            bucket = next(buckets, None)
-            self._stream_seconds += time.perf_counter() - start
-            if bucket is None:
-                return
-            yield bucket
+        yield from timed(buckets, self._add_stream_seconds)
+
+    def _add_stream_seconds(self, seconds: float) -> None:
+        self._stream_seconds += seconds
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import ray
 import torch
 
 from actors._logging import show_refit_logs
+from actors._measure import private_rss_bytes, timed
 from refit.errors import ConfigError
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.sharding.process_group import free_port, init_trainer_group
@@ -79,20 +79,13 @@ class TrainerRank:
     def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
         """This rank's part of every bucket; records the stream's seconds and its peak private memory growth."""
         self._stream_seconds = 0.0
-        baseline = _private_rss()
+        baseline = private_rss_bytes()
         self._peak_bytes = 0
         stop = threading.Event()
         sampler = threading.Thread(target=self._sample_rss, args=(baseline, stop), daemon=True)
         sampler.start()
         try:
-            parts = self.source.stream(plan)
-            while True:
-                start = time.perf_counter()
-                part = next(parts, None)
-                self._stream_seconds += time.perf_counter() - start
-                if part is None:
-                    return
-                yield part
+            yield from timed(self.source.stream(plan), self._add_stream_seconds)
         finally:
             stop.set()
             sampler.join()
@@ -101,6 +94,9 @@ class TrainerRank:
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """The logprob probe's reference (a collective: every rank runs the forward pass)."""
         return prompt_logprobs(self.model, prompts)
+
+    def _add_stream_seconds(self, seconds: float) -> None:
+        self._stream_seconds += seconds
 
     def last_stream_seconds(self) -> float:
         return self._stream_seconds
@@ -141,7 +137,7 @@ class TrainerRank:
 
     def _sample_rss(self, baseline: int, stop: threading.Event) -> None:
         while not stop.wait(_RSS_SAMPLE_PERIOD_S):
-            self._peak_bytes = max(self._peak_bytes, _private_rss() - baseline)
+            self._peak_bytes = max(self._peak_bytes, private_rss_bytes() - baseline)
 
 
 class TrainerGroup:
@@ -195,11 +191,3 @@ class TrainerGroup:
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
-
-def _private_rss() -> int:
-    """Resident minus shared pages (Ray's object store maps shared memory into this process)."""
-    with open("/proc/self/statm") as f:
-        _, resident, shared, *_ = (int(x) for x in f.read().split())
-    import os
-
-    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")

@@ -12,25 +12,19 @@ quantization) would have moved. Run with
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
 
 import refit
 from actors import RolloutActor, TrainerActor, TrainerGroup
-from benchmarks.bench_sync import synthetic_checkpoints
+from benchmarks.bench_sync import model_arguments, synthetic_checkpoints
 from fixtures.cluster import local_cluster
 from refit import EngineConfig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--bucket-mib", type=float, default=16)
-    parser.add_argument("--repeats", type=int, default=4)
-    args = parser.parse_args()
+    args = model_arguments(__doc__)
 
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=3):
         bf16, fp8 = synthetic_checkpoints(Path(tmp), args.layers, args.hidden)

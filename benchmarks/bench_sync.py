@@ -46,13 +46,18 @@ def synthetic_checkpoints(root: Path, layers: int, hidden: int) -> tuple[Path, P
     return bf16, fp8
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(description: str | None) -> argparse.Namespace:
+    """The command line every sync benchmark shares: the synthetic model, bucket size and repeats."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--bucket-mib", type=float, default=16)
     parser.add_argument("--repeats", type=int, default=4)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = model_arguments(__doc__)
 
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
         bf16, fp8 = synthetic_checkpoints(Path(tmp), args.layers, args.hidden)

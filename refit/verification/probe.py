@@ -91,12 +91,18 @@ class ProbeResult:
 
 
 def prompt_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
-    """A Hugging Face causal LM's logprob of every prompt token after the first (float32 softmax)."""
+    """A Hugging Face causal LM's logprob of every prompt token after the first, as vLLM's `prompt_logprobs`.
+
+    One prompt at a time (any lengths, no padding), softmax in float32.
+    """
     model.eval()
-    ids = torch.tensor([list(p) for p in prompts])
+    out = []
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[:, :-1].float()
-    return logits.log_softmax(-1).gather(2, ids[:, 1:, None])[..., 0].tolist()
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)])
+            logits = model(input_ids=ids).logits.float().log_softmax(-1)[0]
+            out.append(logits[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist())
+    return out
 
 
 def compare(got: Sequence[Sequence[float]], reference: Sequence[Sequence[float]], thresholds: ProbeThresholds) -> ProbeResult:

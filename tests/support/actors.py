@@ -7,7 +7,6 @@ them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import ray
@@ -32,13 +31,9 @@ def parameter(trainer, name: str) -> torch.Tensor:
 @torch.no_grad()
 def prompt_logprobs(trainer, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
     """log p(token_i | tokens_<i) for i >= 1, as vLLM's prompt_logprobs reports them."""
-    trainer.model.eval()
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)])
-        logits = trainer.model(input_ids=ids).logits.float().log_softmax(-1)[0]
-        out.append(logits[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist())
-    return out
+    from refit.verification.probe import prompt_logprobs as of_model
+
+    return of_model(trainer.model, prompts)
 
 
 def attention_amax(trainer, prompts: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -65,15 +60,10 @@ def node_id(_actor) -> str:
 
 
 def rss_bytes(_actor) -> int:
-    """Resident memory private to the actor's process.
+    """Resident memory private to the actor's process (`actors._measure.private_rss_bytes`)."""
+    from actors._measure import private_rss_bytes
 
-    Shared pages are left out: buckets fetched from Ray's object store are
-    mapped from its shared arena, and each new bucket touches new pages of it
-    until the whole arena is resident, which would read as a leak.
-    """
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        _, resident, shared, *_ = (int(x) for x in f.read().split())
-    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")
+    return private_rss_bytes()
 
 
 def double_weight_scale(rollout, module: str) -> None:
