@@ -131,15 +131,17 @@ class RolloutActor:
             self.engine.finish_update()  # refuses an incomplete update, or scales the engine holds wrongly
             if config.verify is not Verify.OFF:
                 outcome = f"checksums, {len(self._received)} tensors complete, scales read back"
+            stage = "the post-refit KV-scale stage"
             try:
                 written = self.engine.apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
                 if probe is not None:
+                    stage = "the logprob probe"
                     result = self.engine.probe(probe)
                     outcome, probe_passed = f"{outcome}; {result}", result.passed
                     if not result.passed and probe.fail:
                         raise EngineError(f"the logprob probe after the refit failed: {result}")
             except BaseException as error:
-                self._close(sync_id, f"the post-refit stage failed: {error}", model_changed=True)
+                self._close(sync_id, f"{stage} failed: {error}", model_changed=True)
                 raise
             self._open = None
             self._lifecycle.finished(sync_id, version)

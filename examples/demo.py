@@ -36,7 +36,9 @@ def main() -> None:
     # vLLM's start-up warnings, harmless on this CPU set-up, are kept out.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("refit").setLevel(logging.INFO)
-    with local_cluster(nodes=3, env={**QUIET_ENV, "VLLM_LOGGING_LEVEL": "ERROR"}):
+    # FutureWarnings from inside vLLM's imports say nothing about this job.
+    quiet = {**QUIET_ENV, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    with local_cluster(nodes=3, env=quiet):
         pin = [{"num_cpus": 0, "resources": {f"node{n}": 0.01}} for n in range(3)]
         trainer, rollouts = start_actors(2, pin[0], pin[1:])
         history = run(trainer, rollouts, rounds=args.rounds, prompts_per_round=16, group=8, warmup_steps=args.warmup_steps)

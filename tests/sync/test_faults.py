@@ -9,6 +9,7 @@ tell versions apart.
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import threading
 import time
 
@@ -133,11 +134,16 @@ class DroppingTrainer:
 
 
 def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replicas, trainers, module_actors):
-    """The engine's own completeness check: what the plan promised must all have been loaded."""
+    """What the plan promised must all have arrived (verification), and been loaded (the engine's own check)."""
     liar = module_actors.keep(DroppingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16")), "model.layers.1.mlp.down_proj.weight"))
-    with pytest.raises(refit.EngineError, match=r"left 2 of the model's \d+ weights unloaded.*model\.layers\.1\.mlp\.down_proj\.weight'"):
+    missing = r"did not deliver 2 tensor\(s\) of the plan: model\.layers\.1\.mlp\.down_proj\.weight, .*weight_scale"
+    with pytest.raises(refit.InvalidTensorError, match=missing):
         refit.Syncer(liar, replicas, FAST).sync()
+    assert all(status(r).phase is Phase.REFUSING for r in replicas)
+    unverified = dataclasses.replace(FAST, verify="off")
+    with pytest.raises(refit.EngineError, match=r"left 2 of the model's \d+ weights unloaded.*model\.layers\.1\.mlp\.down_proj\.weight'"):
+        refit.Syncer(liar, replicas, unverified).sync()
     assert all(status(r).phase is Phase.REFUSING for r in replicas)
     with pytest.raises(refit.ReplicaRefusingError):
         ray.get(replicas[0].generate.remote(PROMPTS, NEW_TOKENS), timeout=30)
