@@ -27,7 +27,8 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 @pytest.mark.parametrize(
     "arch, tied, quantize_on",
-    [("qwen3_moe", False, ["trainer", "rollout"]), ("llama", True, ["trainer", "rollout"]), ("llama", False, ["rollout", "trainer"])],
+    # Each side of quantization on the MoE; on the Llama one per tying (the dense path is the same code).
+    [("qwen3_moe", False, ["trainer", "rollout"]), ("llama", True, ["trainer"]), ("llama", False, ["rollout"])],
     ids=["qwen3-moe", "llama-tied", "llama-untied"],
 )
 def test_dummy_fp8_rollout_matches_a_fresh_engine_on_llmcompressors_checkpoint(actors_factory, arch, tied, quantize_on):

@@ -34,10 +34,10 @@ def probe_numbers(report) -> tuple[float, float]:
 
 @pytest.mark.parametrize(
     "arch, tied, variant, engine",
-    [("qwen3", True, "bf16", {"load_format": "dummy"}), ("qwen3", False, "fp8_block", {"load_format": "dummy"}),
-     ("qwen3", True, "fp8_block", FP8_DUMMY), ("llama", False, "fp8_block", FP8_DUMMY),
+    # One per precision's thresholds; the MoE with an FP8 KV cache showed the largest differences.
+    [("qwen3", True, "bf16", {"load_format": "dummy"}), ("llama", False, "fp8_block", {"load_format": "dummy"}),
      ("qwen3_moe", False, "fp8_block", FP8_DUMMY)],
-    ids=["qwen3-bf16", "qwen3-fp8", "qwen3-fp8-fp8kv", "llama-fp8-fp8kv", "moe-fp8-fp8kv"],
+    ids=["qwen3-bf16", "llama-fp8", "moe-fp8-fp8kv"],
 )
 def test_a_correct_sync_passes_every_check_and_the_probe(actors_factory, arch, tied, variant, engine):
     trainer = actors_factory.trainer(model_dir(tied, "bf16", arch=arch))
