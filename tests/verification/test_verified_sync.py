@@ -77,11 +77,19 @@ class TamperingTrainer(TrainerActor.__ray_actor_class__):
             yield bucket
 
 
-def tampering(actors_factory, fault: str):
-    trainer = actors_factory.keep(TamperingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+@pytest.fixture(scope="module")
+def broken(module_actors):
+    """One tampering trainer and one FP8 replica for every broken sync below (a failed sync leaves it refusing,
+    and the next sync repairs it, so they can be shared)."""
+    trainer = module_actors.keep(TamperingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(False, "bf16"))))
+    return trainer, module_actors.rollout(model_dir(False, "fp8_block"), **FP8_DUMMY)
+
+
+def tampering(broken, fault: str):
+    trainer, replica = broken
     ray.get(trainer.set_fault.remote(fault))
-    return trainer
+    return trainer, replica
 
 
 def assert_refusing(replica) -> None:
@@ -89,25 +97,27 @@ def assert_refusing(replica) -> None:
     assert status.phase is Phase.REFUSING, status
 
 
-def test_a_bucket_altered_in_transit_fails_naming_the_tensor(actors_factory):
-    replica = actors_factory.rollout(model_dir(False, "fp8_block"), **FP8_DUMMY)
+def test_a_bucket_altered_in_transit_fails_naming_the_tensor(broken):
+    trainer, replica = tampering(broken, "none")
+    refit.sync(trainer, replica)  # serving a whole version: the failure below must not half-load it
+    ray.get(trainer.set_fault.remote("alter"))
     altered = rf"arrived altered \(CRC-32 differs from the sender's\) in: {LAYER0_GATE}; nothing of it was loaded"
     with pytest.raises(refit.InvalidTensorError, match=altered):
-        refit.sync(tampering(actors_factory, "alter"), replica)
-    assert_refusing(replica)
+        refit.sync(trainer, replica)
+    status = ray.get(replica.status.remote())
+    assert status.phase is Phase.SERVING and status.served_version == 1  # bucket 0 was refused: nothing changed
 
 
-def test_a_skipped_tensor_fails_naming_it(actors_factory):
-    replica = actors_factory.rollout(model_dir(False, "fp8_block"), **FP8_DUMMY)
+def test_a_skipped_tensor_fails_naming_it(broken):
+    trainer, replica = tampering(broken, "skip")
     with pytest.raises(refit.InvalidTensorError, match=rf"did not deliver 2 tensor\(s\) of the plan: {LAYER0_GATE}, {LAYER0_GATE}_scale"):
-        refit.sync(tampering(actors_factory, "skip"), replica)
+        refit.sync(trainer, replica)
     assert_refusing(replica)
 
 
-def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(actors_factory):
+def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(broken):
     """Driven step by step, as `Syncer` does, with the engine's scale doubled between the last bucket and finish."""
-    trainer = actors_factory.trainer(model_dir(False, "bf16"))
-    replica = actors_factory.rollout(model_dir(False, "fp8_block"), **FP8_DUMMY)
+    trainer, replica = tampering(broken, "none")
     config = refit.SyncConfig()
     plan = refit.Syncer(trainer, replica, config).plan()
     version = ray.get(replica.begin_update.remote(plan, "manual", config))
@@ -121,16 +131,15 @@ def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(ac
     assert_refusing(replica)
 
 
-def test_the_probe_catches_what_checksums_cannot_and_fails_or_flags_as_configured(actors_factory):
+def test_the_probe_catches_what_checksums_cannot_and_fails_or_flags_as_configured(broken):
     """A trainer that sends layer 1's MLP under layer 0's names: every byte arrives as sent, yet the model is wrong."""
-    trainer = tampering(actors_factory, "swap")
-    flagged = actors_factory.rollout(model_dir(False, "fp8_block"), **FP8_DUMMY)
+    trainer, flagged = tampering(broken, "swap")
     report = refit.Syncer(trainer, flagged, PROBE).sync()
     assert report.probe_breached and "probe BREACHED" in report.replicas[0].verification
     assert "checksums" in report.replicas[0].verification  # the other checks passed: the bytes are what was sent
     assert ray.get(flagged.status.remote()).phase is Phase.SERVING  # flagged, not failed
 
-    failing = actors_factory.rollout(model_dir(False, "fp8_block"), **FP8_DUMMY)
+    failing = flagged
     with pytest.raises(refit.EngineError, match="the logprob probe after the refit failed: probe BREACHED"):
         refit.Syncer(trainer, failing, refit.SyncConfig(verify="probe")).sync()
     assert_refusing(failing)
