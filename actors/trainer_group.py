@@ -105,7 +105,7 @@ class TrainerRank:
         """In the last stream: bytes this rank all-gathered, its peak private memory above the stream's start,
         the tensors it sent per route, and the bytes of its shards."""
         return {"gathered_bytes": self.source.gathered_bytes, "peak_bytes": self._peak_bytes, **self.source.sent,
-                "shard_bytes": sum(_local(p).numel() * p.element_size() for p in self.model.parameters())}
+                "shard_bytes": self.source.shard_bytes()}
 
     # -- training (collectives) ----------------------------------------------------------------------------------------
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
@@ -186,8 +186,3 @@ class TrainerGroup:
     def _all(self, method: str, *args, **kwargs):
         """Call a collective on every rank; rank 0's result."""
         return ray.get([getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks], timeout=self.timeout_s)[0]
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
-

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +35,7 @@ class RankSource:
     """The weight source of one rank; `model` holds this rank's shards, `group` is the trainer's process group."""
 
     def __init__(self, model: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None) -> None:
+        self.model = model
         self.view = CheckpointView(model)
         self.group = group
         self.rank = torch.distributed.get_rank(group)
@@ -54,7 +56,7 @@ class RankSource:
     def stream(self, plan: TransferPlan) -> Iterator[WireBucket]:
         """This rank's part of every bucket, in plan order; every tensor it will send is checked first."""
         routes = self.routes(plan)
-        self._preflight(plan, routes)
+        self._preflight(plan)
         self.gathered_bytes = 0
         self.sent = {route.value: 0 for route in Route} | {"quantized_rows": 0, "bytes": 0}
         for index, bucket in enumerate(plan.buckets):
@@ -80,35 +82,40 @@ class RankSource:
             self.sent["bytes"] += part.nbytes
             yield part
 
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's own shards of the model."""
+        return sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+
     # -- where this rank's rows are ----------------------------------------------------------------------------------
-    def _held(self, name: str) -> RowRange | None | object:
-        """The rows of checkpoint tensor `name` this rank holds as rows; None: part, not as rows; `_ABSENT`: none."""
+    def _extent(self, name: str) -> tuple[torch.Tensor, _Extent]:
+        """Checkpoint tensor `name`'s parameter, and where the tensor and this rank's shard lie in it (flat elements)."""
         param, piece = self.view.location(name)
         shape, offset = (tuple(piece.shape), piece.offset) if piece else (tuple(param.shape), 0)
-        rows = shape[0] if shape else 1
         local = _local_rows(param)
-        if local is None:
+        param_row = math.prod(param.shape[1:])
+        shard = None if local is None else (local[0] * param_row, local[1] * param_row)
+        return param, _Extent(shape, offset, max(math.prod(shape[1:]), 1), shard,
+                              piece is None or tuple(piece.stride) == torch.empty(shape, device="meta").stride())
+
+    def _held(self, name: str) -> RowRange | None | object:
+        """The rows of checkpoint tensor `name` this rank holds as rows; None: part, not as rows; `_ABSENT`: none."""
+        _, extent = self._extent(name)
+        if extent.shard is None or not extent.row_major:
             return None
-        if piece and tuple(piece.stride) != _contiguous_strides(shape):
-            return None
-        row_numel = math.prod(shape[1:])
-        first, last = local[0] * math.prod(param.shape[1:]), local[1] * math.prod(param.shape[1:])
-        lo, hi = max(offset, first), min(offset + rows * row_numel, last)
+        rows = extent.shape[0] if extent.shape else 1
+        lo, hi = max(extent.offset, extent.shard[0]), min(extent.offset + rows * extent.row_numel, extent.shard[1])
         if lo >= hi:
             return _ABSENT
-        if (lo - offset) % max(row_numel, 1) or (hi - offset) % max(row_numel, 1):
+        if (lo - extent.offset) % extent.row_numel or (hi - extent.offset) % extent.row_numel:
             return None
-        return ((lo - offset) // max(row_numel, 1), (hi - offset) // max(row_numel, 1))
+        return ((lo - extent.offset) // extent.row_numel, (hi - extent.offset) // extent.row_numel)
 
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows `[start, stop)` of checkpoint tensor `name`, as a view of this rank's shard."""
-        param, piece = self.view.location(name)
-        shape, offset = (tuple(piece.shape), piece.offset) if piece else (tuple(param.shape), 0)
-        local_first = _local_rows(param)[0] * math.prod(param.shape[1:])
+        param, extent = self._extent(name)
         flat = _local(param).detach().reshape(-1)
-        row_numel = math.prod(shape[1:])
-        begin = offset + start * row_numel - local_first
-        return flat[begin : begin + (stop - start) * row_numel].view(stop - start, *shape[1:])
+        begin = extent.offset + start * extent.row_numel - extent.shard[0]
+        return flat[begin : begin + (stop - start) * extent.row_numel].view(stop - start, *extent.shape[1:])
 
     def _gathered(self, name: str) -> torch.Tensor:
         """Checkpoint tensor `name` whole, from an all-gather of its parameter (a collective: every rank calls it)."""
@@ -116,7 +123,7 @@ class RankSource:
         full = param.full_tensor() if _is_dtensor(param) else param.detach()
         return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
 
-    def _preflight(self, plan: TransferPlan, routes: dict[str, TensorRoute]) -> None:
+    def _preflight(self, plan: TransferPlan) -> None:
         """Global shapes against the plan, and this rank's shards finite, before any part is sent."""
         shapes = {m.name: m.shape for m in self.view.metadata()}
         problems = [
@@ -125,18 +132,27 @@ class RankSource:
         ]
         if problems:
             raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(problems))
-        checked: set[str] = set()
+        checked: set[int] = set()  # parameters, by id: a fused one stands for many planned tensors
         for planned in plan.tensors:
             param, _ = self.view.location(planned.source)
-            source = id(param)
-            if source in checked:
+            if id(param) in checked:
                 continue
-            checked.add(source)
+            checked.add(id(param))
             if not is_finite(_local(param).detach()):
                 raise InvalidTensorError(f"refusing to send any weight: {planned.source} holds NaN or Inf on rank {self.rank}")
 
 
 _ABSENT = object()
+
+
+class _Extent(NamedTuple):
+    """A checkpoint tensor inside its parameter, in the parameter's flat element order."""
+
+    shape: tuple[int, ...]
+    offset: int  # of its first element
+    row_numel: int  # elements per row of the tensor
+    shard: tuple[int, int] | None  # [first, last) element of this rank's shard; None: not held as whole rows
+    row_major: bool  # its rows lie one after another (so a run of the parameter's elements is a run of its rows)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -165,11 +181,3 @@ def _local_rows(param: torch.Tensor) -> RowRange | None:
         return None
     local_shape, global_offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return (global_offset[0], global_offset[0] + local_shape[0])
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))

@@ -21,6 +21,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, VOCAB_SIZE, make_prompts, model_dir
 from refit import Phase
 from tests.support.checkpoints import write_fewer_layers
+from tests.support.faults import kill_during_syncs
 
 PROMPTS = make_prompts(64, PROMPT_LEN, seed=41)
 FAST = refit.SyncConfig(timeout_s=20)
@@ -395,13 +396,8 @@ def test_a_replica_killed_mid_stream_fails_the_sync_and_the_survivors_recover(re
     syncer = refit.Syncer(trainers[0], [*replicas, doomed],
                           refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20))
     syncer.sync()  # all three started and serving
-    threading.Timer(0.2, lambda: ray.kill(doomed)).start()
-    start = time.monotonic()
-    with pytest.raises(refit.EngineError, match="rollout 2 died") as error:
-        for _ in range(50):  # one of these is cut by the kill
-            syncer.sync()
-    assert time.monotonic() - start < 60
-    notes = "\n".join(error.value.__notes__)
+    error = kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.EngineError, match="rollout 2 died")
+    notes = "\n".join(error.__notes__)
     assert "rollout 2: could not be reached to abort" in notes
     for survivor in replicas:
         assert status(survivor).phase in (Phase.SERVING, Phase.REFUSING)  # whole, or refusing: never half-served

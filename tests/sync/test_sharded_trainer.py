@@ -8,8 +8,6 @@ single-process trainer (the group's weights saved and loaded into a
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 import ray
@@ -18,6 +16,7 @@ import refit
 from actors import TrainerGroup
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
 from refit.engine import Phase
+from tests.support.faults import kill_during_syncs
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=41)
 FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
@@ -78,13 +77,8 @@ def test_a_rank_killed_mid_sync_fails_it_by_name_within_the_deadline(actors_fact
         replicas = [actors_factory.rollout(model_dir(True, "fp8_block"), node=n, **FP8_DUMMY) for n in (1, 2)]
         syncer = refit.Syncer(group, replicas, refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20))
         syncer.sync()
-        threading.Timer(0.3, lambda: ray.kill(group.ranks[1])).start()
-        start = time.monotonic()
-        with pytest.raises(refit.RefitError, match="trainer rank 1") as error:
-            for _ in range(50):  # one of these is cut by the kill
-                syncer.sync()
-        assert time.monotonic() - start < 60
-        notes = "\n".join(error.value.__notes__)
+        error = kill_during_syncs(syncer, group.ranks[1], after_s=0.3, error=refit.RefitError, match="trainer rank 1")
+        notes = "\n".join(error.__notes__)
         for i, replica in enumerate(replicas):
             status = ray.get(replica.status.remote())
             assert status.phase in (Phase.SERVING, Phase.REFUSING), status  # whole, or refusing: never half-served
