@@ -23,14 +23,15 @@ from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
-from refit.errors import EngineError, InvalidTensorError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, InvalidTensorError, LifecycleError, SyncTimeoutError
 from refit.orchestration.calls import remote_error
-from refit.orchestration.config import SyncConfig, Verify
+from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.data_path import loadable_tensors
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
-from refit.transport.buckets import WireBucket
+from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.collective import Rendezvous
 from refit.verification import ProbeRequest, missing_tensors
 
 __all__ = ["RolloutActor"]
@@ -51,6 +52,7 @@ class RolloutActor:
         self._open: tuple[TransferPlan, SyncConfig] | None = None  # of the update the lifecycle holds open
         self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open update
         self._last_update: dict | None = None  # what `refit inspect` shows
+        self._group_id: str | None = None  # the collective group the workers joined
         threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
 
     # -- observation ("observe": never waits for an update or a request) -----
@@ -67,40 +69,85 @@ class RolloutActor:
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="observe")
+    def transport_ranks(self) -> int:
+        """How many ranks this replica takes in a collective group: one per vLLM worker."""
+        return self.engine.workers
+
+    @ray.method(concurrency_group="observe")
+    def transport_group(self) -> str | None:
+        """The collective group this replica's workers are in, if any."""
+        return self._group_id
+
+    @ray.method(concurrency_group="observe")
     def last_update(self) -> dict | None:
         """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written."""
         return self._last_update
 
     # -- update lifecycle ("update": one thread, submission order) ------------
     @ray.method(concurrency_group="update")
+    def join_transport(self, rendezvous: Rendezvous, rank_offset: int) -> None:
+        """Every worker joins a sync's collective group from `rank_offset` on (leaving any earlier group)."""
+        with self._update_lock:
+            if self._lifecycle.open_update() is not None:
+                raise LifecycleError(f"cannot change collective groups during sync {self._lifecycle.open_update()}'s update")
+            self._group_id = None
+            self.engine.join_group(rendezvous, rank_offset)
+            self._group_id = rendezvous.group_id
+
+    @ray.method(concurrency_group="update")
+    def leave_transport(self) -> None:
+        with self._update_lock:
+            self._group_id = None
+            self.engine.leave_group()
+
+    @ray.method(concurrency_group="update")
     def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
         """Pause serving (after in-flight requests finish), start the reload; returns the lowest version accepted."""
         if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids would fail only after every weight is loaded
             token_prompts(config.calibration_prompts, vocab_size=self.engine.vocab_size, setting="calibration_prompts")
+        if config.pause is not Pause.WAIT:
+            raise ConfigError(
+                f"pause={str(config.pause)!r}: RolloutActor serves whole batches and always waits for them; "
+                "actors.AsyncRolloutActor can abort requests in flight"
+            )
+        self.engine.check_transport(config.transport)  # before requests are held
         with self._update_lock:
             version = self._lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
             try:
-                self.engine.begin_update()
+                self.engine.begin_update(plan, config.transport)
             except BaseException as error:
                 self._close(sync_id, f"starting the reload failed: {error!r}")
                 raise
             self._open = (plan, config)
             self._progress = {"buckets": 0, "load_seconds": 0.0}
-            self._received: set[str] = set()
             return version
 
     @ray.method(concurrency_group="update")
-    def load_bucket(self, sync_id: str, version: int, bucket: WireBucket | list[WireBucket | ray.ObjectRef]) -> float:
-        """Fetch and load one bucket (one part per sending rank of a sharded trainer); returns seconds spent loading."""
+    def load_bucket(
+        self, sync_id: str, version: int, bucket: WireBucket | BucketContents | list[WireBucket | ray.ObjectRef],
+        next_bucket_bytes: int | None = None,
+    ) -> float:
+        """Load one bucket; returns seconds spent loading.
+
+        Through Ray's object store the bucket comes as refs (one part per
+        sending rank of a sharded trainer), fetched here; over `collective`
+        or `ipc` as its contents, while the workers receive the bytes
+        (`next_bucket_bytes`: the next bucket's size, for the workers to post
+        its receive early).
+        """
         with self._update_lock:
             self._lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
             verify = config.verify is not Verify.OFF
-            tensors = loadable_tensors(plan, _fetch(bucket, config.timeout_s), verify=verify)
-            self._lifecycle.loading(sync_id, version)
-            start = time.perf_counter()
-            self.engine.load(tensors, version, verify=verify)
-            self._received |= {name for name, _ in tensors}
+            if isinstance(bucket, BucketContents):
+                self._lifecycle.loading(sync_id, version)
+                start = time.perf_counter()
+                self.engine.receive(bucket, next_bucket_bytes, version, verify=verify)
+            else:
+                tensors = loadable_tensors(plan, _fetch(bucket, config.timeout_s), verify=verify)
+                self._lifecycle.loading(sync_id, version)
+                start = time.perf_counter()
+                self.engine.load(tensors, version, verify=verify)
             seconds = time.perf_counter() - start
             self._progress["buckets"] += 1
             self._progress["load_seconds"] += seconds
@@ -122,7 +169,8 @@ class RolloutActor:
             plan, config = self._open
             outcome, probe_passed = "off", None
             if config.verify is not Verify.OFF:
-                missing = missing_tensors(plan, self._received)
+                received = self.engine.streamed()
+                missing = missing_tensors(plan, received)
                 if missing:
                     raise InvalidTensorError(
                         f"the sync did not deliver {len(missing)} tensor(s) of the plan: {', '.join(missing[:8])}; "
@@ -130,7 +178,7 @@ class RolloutActor:
                     )
             self.engine.finish_update()  # refuses an incomplete update, or scales the engine holds wrongly
             if config.verify is not Verify.OFF:
-                outcome = f"checksums, {len(self._received)} tensors complete, scales read back"
+                outcome = f"checksums, {len(received)} tensors complete, scales read back"
             stage = "the post-refit KV-scale stage"
             try:
                 written = self.engine.apply_kv_scales(config.kv_scales, config.calibration_prompts, version)

@@ -18,7 +18,9 @@ from actors._measure import timed
 from refit.orchestration.checkpoint_format import CheckpointView
 from refit.orchestration.data_path import produce_buckets
 from refit.orchestration.plan import TensorMeta, TransferPlan
-from refit.transport.buckets import WireBucket
+from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.collective import Rendezvous
+from refit.transport.sender import TransportSender
 from refit.verification.probe import prompt_logprobs
 
 __all__ = ["TrainerActor"]
@@ -38,16 +40,27 @@ class TrainerActor:
         self.model = self.model.to(torch.bfloat16)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self._stream_seconds = 0.0
+        self._transport = TransportSender()
 
     # -- weight source protocol ------------------------------------------------
     def weight_metadata(self) -> list[TensorMeta]:
         return CheckpointView(self.model).metadata()
 
-    def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
+    def stream_buckets(self, plan: TransferPlan, transport: Rendezvous | str = "ray") -> Iterator[WireBucket | BucketContents]:
         self._stream_seconds = 0.0
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
         buckets = produce_buckets(plan, CheckpointView(self.model).tensor)
-        yield from timed(buckets, self._add_stream_seconds)
+        yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport)
+
+    def join_transport(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Join a sync's collective group as its sender (optional in the protocol: `transport="collective"` needs it)."""
+        self._transport.join(rendezvous, rank)
+
+    def leave_transport(self) -> None:
+        self._transport.leave()
+
+    def transport_group(self) -> str | None:
+        return self._transport.group_id()
 
     def _add_stream_seconds(self, seconds: float) -> None:
         self._stream_seconds += seconds

@@ -37,6 +37,7 @@ from refit.errors import (
     RefitError,
     ReplicaRefusingError,
     SyncTimeoutError,
+    TransportError,
     UnsupportedSchemeError,
 )
 
@@ -45,6 +46,8 @@ _LAZY = {
     "Syncer": "refit.orchestration",
     "SyncConfig": "refit.orchestration",
     "QuantizeOn": "refit.orchestration",
+    "Transport": "refit.orchestration",
+    "Pause": "refit.orchestration",
     "SyncReport": "refit.orchestration",
     "TensorMeta": "refit.orchestration",
     "TransferPlan": "refit.orchestration",
@@ -77,6 +80,7 @@ __all__ = [
     "RefitError",
     "ReplicaRefusingError",
     "SyncTimeoutError",
+    "TransportError",
     "UnsupportedSchemeError",
     *_LAZY,
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "RefitError",
     "ReplicaRefusingError",
     "SyncTimeoutError",
+    "TransportError",
     "UnsupportedSchemeError",
 ]
 
@@ -57,3 +58,7 @@ class EngineError(RefitError, RuntimeError):
 
 class SyncTimeoutError(RefitError, TimeoutError):
     """A remote call of a sync missed its deadline (a dead or hung trainer or replica)."""
+
+
+class TransportError(RefitError, RuntimeError):
+    """A transport cannot carry a sync: an unreachable rendezvous, a group a member left, no CUDA for `ipc`."""

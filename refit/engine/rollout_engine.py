@@ -3,8 +3,10 @@
 `RolloutEngine` owns one `vllm.LLM` started with refit's weight-transfer
 backend and drives each update step through `collective_rpc`, which reaches
 the model both in-process and in separate worker processes (tensor parallel
-> 1): `begin_update` -> `load` per bucket -> `finish_update` (completeness
-checked, reload finalized) -> `apply_kv_scales` (the post-refit stage), or
+> 1) or a separate engine-core process: `begin_update` -> `load` (tensors,
+the `ray` transport) or `receive` (a table of contents, the `collective` and
+`ipc` transports) per bucket -> `finish_update` (completeness checked,
+reload finalized) -> `apply_kv_scales` (the post-refit stage), or
 `abandon_update`. Which step may run when is not its business: that is the
 replica's `UpdateLifecycle` (refit/engine/lifecycle.py). It holds no Ray
 state; `actors.RolloutActor` wraps it for Ray.
@@ -13,6 +15,7 @@ state; `actors.RolloutActor` wraps it for Ray.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +23,13 @@ from pathlib import Path
 import torch
 
 from refit.engine.config import EngineConfig
-from refit.errors import EngineError
-from refit.orchestration.plan import RolloutModelInfo
-from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource, refuse_invalid_scales
+from refit.errors import ConfigError, EngineError
+from refit.orchestration.config import Transport
+from refit.orchestration.plan import RolloutModelInfo, TransferPlan
+from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
 from refit.tokens import token_prompts
+from refit.transport.buckets import BucketContents
+from refit.transport.collective import Rendezvous
 from refit.verification.probe import ProbeRequest, ProbeResult, compare, thresholds_for
 
 __all__ = ["Generation", "RolloutEngine"]
@@ -44,16 +50,12 @@ class Generation:
 
 class RolloutEngine:
     def __init__(self, config: EngineConfig) -> None:
-        # The engine core must live in this process: in a separate core
-        # process, tensors decoded from an RPC cannot be pickled on to the
-        # workers ("cannot pickle memoryview objects"). Workers may still be
-        # separate processes (tensor parallel > 1).
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
-            raise EngineError(
-                "VLLM_ENABLE_V1_MULTIPROCESSING=1: refit needs vLLM's engine core in the rollout process; "
-                "unset it or set it to 0 (tensor-parallel workers still run as separate processes)"
-            )
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine core runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING=1
+        # says otherwise. Only the `ray` transport cares: it hands tensors to
+        # the workers as RPC arguments, which a separate core process cannot
+        # pickle on to them ("cannot pickle memoryview objects").
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.engine_core_in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         # EngineConfig is the one place that sizes the KV cache; vLLM's legacy
         # variable would silently override it.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -66,15 +68,44 @@ class RolloutEngine:
         self.llm = LLM(**config.llm_kwargs(on_gpu=on_gpu))
         self.model_info = RolloutModelInfo.from_checkpoint(config.model, from_files=config.load_format != "dummy")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.workers = int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
 
-    def begin_update(self) -> None:
-        """Put every layer in loadable form."""
+    def check_transport(self, transport: Transport) -> None:
+        """Refuse a transport that cannot reach this engine's workers."""
+        if transport is Transport.RAY and not self.engine_core_in_process:
+            raise ConfigError(
+                "transport='ray' hands tensors to vLLM's workers as RPC arguments, which needs the engine core in "
+                "the rollout's process, but this engine runs it in its own (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
+                "use SyncConfig(transport='collective')"
+            )
+
+    def begin_update(self, plan: TransferPlan, transport: Transport) -> None:
+        """Put every layer in loadable form; over `collective` or `ipc`, tell the workers the plan of what arrives."""
+        self.check_transport(transport)
         self.llm.collective_rpc("start_weight_update")
+        if transport is not Transport.RAY:
+            self.llm.collective_rpc("refit_expect_plan", args=(pickle.dumps(plan), str(transport)))
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int, *, verify: bool = False) -> None:
-        """Load one bucket of tensors in the form vLLM's loaders take; `verify`: read the scales back at finish."""
-        refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
+        """Load one bucket of tensors in the form vLLM's loaders take (`ray`); `verify`: read the scales back at finish."""
         self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors), "verify": verify},))
+
+    def receive(self, contents: BucketContents, next_bucket_bytes: int | None, version: int, *, verify: bool = False) -> None:
+        """Load one bucket whose bytes the workers receive over the transport; only `contents` crosses the RPC."""
+        info = {"version": version, "contents": contents.to_plain(), "next_bucket_bytes": next_bucket_bytes, "verify": verify}
+        self.llm.collective_rpc("update_weights", args=(info,))
+
+    def streamed(self) -> list[str]:
+        """Checkpoint names of every tensor the open update loaded."""
+        return self.llm.collective_rpc("refit_streamed")[0]
+
+    def join_group(self, rendezvous: Rendezvous, rank_offset: int) -> None:
+        """Every worker joins the collective group at `rank_offset` + its rank; blocks until the group is whole."""
+        plain = [rendezvous.host, rendezvous.port, rendezvous.group_id, list(rendezvous.members), rendezvous.timeout_s]
+        self.llm.collective_rpc("refit_join_group", args=(plain, rank_offset))
+
+    def leave_group(self) -> None:
+        self.llm.collective_rpc("refit_leave_group")
 
     def probe(self, request: ProbeRequest) -> ProbeResult:
         """Score the probe prompts and compare with the trainer's logprobs, at this engine's precision's thresholds."""

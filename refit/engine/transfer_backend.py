@@ -17,6 +17,15 @@ backend does, and adds what refit needs on top:
   worker drops its session flag on an error but leaves the layers in their
   loadable, half-filled form).
 
+The bytes arrive one of three ways (`SyncConfig.transport`): as tensors in
+the update payload (`ray`: the rollout actor fetched them from the object
+store), broadcast into this worker's buffers over a collective group with
+the trainer (`collective`), or as a CUDA IPC handle of the trainer's GPU
+memory (`ipc`). In the last two only a table of contents crosses the RPC, so
+they work with the engine core in its own process; this worker then turns
+the bucket into loadable tensors itself, with the plan it was given at the
+start of the update.
+
 Registered by name ("refit") from a `vllm.general_plugins` entry point, so
 every vLLM process knows it; engines opt in with
 `weight_transfer_config={"backend": "refit"}`.
@@ -45,8 +54,19 @@ try:
     from vllm.platforms import current_platform
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
-from refit.provenance import AttentionAmaxRecorder, ScaleProvenanceTracker, checkpoint_tensor_names
+from refit.orchestration.data_path import loadable_tensors
+from refit.orchestration.plan import TransferPlan, layer_key
+from refit.provenance import (
+    ATTENTION_SCALES,
+    AttentionAmaxRecorder,
+    ScaleProvenanceTracker,
+    checkpoint_tensor_names,
+    refuse_invalid_scales,
+)
 from refit.provenance.tracker import is_attention_layer
+from refit.transport.buckets import BucketContents
+from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
+from refit.transport.ipc import open_ipc_bucket, require_cuda
 
 __all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
 
@@ -58,11 +78,13 @@ class RefitInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RefitUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: checkpoint-format `(name, tensor)` pairs of sync `version`."""
+    """One bucket of sync `version`: its tensors (`ray`), or its table of contents (`collective`, `ipc`)."""
 
     version: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    verify: bool = False  # keep the streamed weight scales and read the engine's back at finish
+    verify: bool = False  # check checksums, keep the streamed weight scales and read the engine's back at finish
+    contents: tuple | None = None  # `BucketContents.to_plain()`: the bytes come over the transport
+    next_bucket_bytes: int | None = None  # the next bucket's size, so its receive is posted before this one loads
 
 
 class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -82,6 +104,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._streamed: set[str] = set()  # checkpoint names of the tensors it was given
         self._expected: frozenset[str] = frozenset()
         self._reload_open = False
+        self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
+        self._receiver: BucketReceiver | None = None
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         pass
@@ -90,6 +114,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         """Put every layer in loadable form; buffers incoming tensors per layer."""
         initialize_layerwise_reload(self.model)
         self._reload_open = True
+        self._plan = None
         self._update_version = None
         self._loaded = set()
         self._streamed = set()
@@ -102,6 +127,30 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._expected = frozenset(
             name for name, _ in self.model.named_parameters() if name.rpartition(".")[0] not in attention
         )
+
+    # -- transports ---------------------------------------------------------------
+    def join_group(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Join a collective group as `rank` (leaving any earlier one); blocks until every member joined."""
+        self.leave_group()
+        self._receiver = BucketReceiver(CollectiveGroup.join(rendezvous, rank))
+
+    def leave_group(self) -> None:
+        if self._receiver is not None:
+            self._receiver.group.close()
+            self._receiver = None
+
+    def group_id(self) -> str | None:
+        return None if self._receiver is None else self._receiver.group.rendezvous.group_id
+
+    def expect_plan(self, plan: TransferPlan, transport: str) -> None:
+        """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`."""
+        if transport == "collective":
+            if self._receiver is None:
+                raise LifecycleError("this worker is in no collective group; the sync must join it first")
+            self._receiver.prepare(plan.max_packed_bytes())
+        elif transport == "ipc":
+            require_cuda("this vLLM worker")
+        self._plan = plan
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -116,11 +165,36 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
                 f"{self._update_version}; finish or abandon that update first"
             )
         self._update_version = update_info.version
-        self._loaded |= set(self.model.load_weights(update_info.tensors))
-        self._streamed |= {name for name, _ in update_info.tensors}
+        tensors = update_info.tensors if update_info.contents is None else self._arrived(update_info)
+        refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
+        self._loaded |= set(self.model.load_weights(tensors))
+        self._streamed |= {name for name, _ in tensors}
         self._verify = update_info.verify
         if update_info.verify:  # scales are 1/16384 of their weights: cheap to keep until finish
-            self._sent_scales |= {n: t.detach().clone() for n, t in update_info.tensors if n.endswith("weight_scale")}
+            self._sent_scales |= {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")}
+
+    def _arrived(self, update_info: RefitUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+        """The bucket whose contents the update names, received over the transport, as loadable tensors."""
+        if self._plan is None:
+            raise LifecycleError("a bucket's contents arrived, but this update was not told its plan (expect_plan)")
+        contents = BucketContents.from_plain(update_info.contents)
+        if contents.ipc_handle is not None:
+            bucket = open_ipc_bucket(contents, self.device)
+        elif self._receiver is None:
+            raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")
+        else:
+            bucket = self._receiver.receive(contents, update_info.next_bucket_bytes)
+        tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify)
+        # The reload holds on to tensors of a layer it has not completed (and to
+        # attention scales until finish), but this buffer takes the bucket after
+        # next: copy those out of it.
+        later = self._plan.layers_after(contents.index)
+        return [(name, tensor.clone() if layer_key(name) in later or name.rpartition(".")[2] in ATTENTION_SCALES else tensor)
+                for name, tensor in tensors]
+
+    def streamed(self) -> list[str]:
+        """Checkpoint names of every tensor this update loaded so far."""
+        return sorted(self._streamed)
 
     def finish_weight_update(self) -> None:
         """Refuse an incomplete update, else finalize layerwise reload (attention layers last) and record provenance.
@@ -136,6 +210,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
                 "(a different architecture or size?), so this replica will not serve the mix"
             )
         self._finalize()
+        self._plan = None
         self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
         if self._verify and current_platform.is_cpu():  # elsewhere kernels may keep scales in a layout of their own
             wrong = scale_mismatches(self.model, self.provenance, self._sent_scales)
@@ -148,6 +223,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
 
     def abandon(self) -> None:
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
+        self._plan = None
         if self._reload_open:
             self._finalize()
         if self._update_version is not None:
@@ -159,7 +235,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._reload_open = False
 
     def shutdown(self) -> None:
-        pass
+        self.leave_group()
 
 
 def register() -> None:

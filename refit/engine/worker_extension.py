@@ -10,11 +10,13 @@ is plain data (lists, dicts, floats), never a refit class.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import asdict
 from typing import Any
 
 from refit.engine.transfer_backend import RefitTransferBackend, backend_of
 from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, apply_kv_scale_policy
+from refit.transport.collective import Rendezvous
 
 __all__ = ["RefitWorkerExtension"]
 
@@ -29,6 +31,24 @@ class RefitWorkerExtension:
         """Close a failed update, whether or not vLLM's worker still counts it as active."""
         self._refit().abandon()
         self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
+
+    def refit_join_group(self, rendezvous: list, rank_offset: int) -> None:
+        """Join the sync's collective group at `rank_offset` + this worker's rank in its engine."""
+        host, port, group_id, members, timeout_s = rendezvous
+        self._refit().join_group(Rendezvous(host, port, group_id, tuple(members), timeout_s), rank_offset + self.rank)
+
+    def refit_leave_group(self) -> None:
+        self._refit().leave_group()
+
+    def refit_group_id(self) -> str | None:
+        return self._refit().group_id()
+
+    def refit_expect_plan(self, plan: bytes, transport: str) -> None:
+        """The open update's plan, pickled by the rollout actor (the same trusted sender as every RPC here)."""
+        self._refit().expect_plan(pickle.loads(plan), transport)
+
+    def refit_streamed(self) -> list[str]:
+        return self._refit().streamed()
 
     def refit_scale_records(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self._refit().provenance.records()]

@@ -14,7 +14,7 @@ is imported only where a model is described.
 """
 
 from refit.orchestration.checkpoint_format import CheckpointView, checkpoint_tensors, describe_weights
-from refit.orchestration.config import QuantizeOn, SyncConfig
+from refit.orchestration.config import Pause, QuantizeOn, SyncConfig, Transport
 from refit.orchestration.data_path import loadable_tensors, produce_buckets
 from refit.orchestration.plan import PlannedTensor, RolloutModelInfo, TensorMeta, TransferPlan, make_plan, module_classes
 from refit.orchestration.report import ReplicaReport, SyncReport
@@ -22,12 +22,14 @@ from refit.orchestration.syncer import Syncer, sync
 
 __all__ = [
     "CheckpointView",
+    "Pause",
     "PlannedTensor",
     "QuantizeOn",
     "ReplicaReport",
     "RolloutModelInfo",
     "SyncConfig",
     "SyncReport",
+    "Transport",
     "Syncer",
     "TensorMeta",
     "TransferPlan",

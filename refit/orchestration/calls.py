@@ -86,23 +86,26 @@ def summary(error: BaseException) -> str:
 class BucketStream:
     """The trainer's stream of buckets for one sync: each next bucket within a deadline, closed on every exit."""
 
-    def __init__(self, trainer: Any, plan: Any, max_in_flight: int) -> None:
+    def __init__(self, trainer: Any, plan: Any, max_in_flight: int, transport: Any = "ray") -> None:
         self._actor = is_actor(trainer)
+        args = (plan,) if transport == "ray" else (plan, transport)  # a custom source may know only the object store
         if self._actor:
             self._gen = trainer.stream_buckets.options(
                 num_returns="streaming", _generator_backpressure_num_objects=max_in_flight
-            ).remote(plan)
+            ).remote(*args)
         else:
-            self._gen = iter(trainer.stream_buckets(plan))
+            self._gen = iter(trainer.stream_buckets(*args))
         self._done = False
 
-    def next(self, timeout_s: float) -> Any | None:
+    def next(self, timeout_s: float, *, fetch: bool = False) -> Any | None:
         """The next bucket, or None at the end of the stream.
 
         From an actor the bucket is a one-element list holding its object ref:
         a nested ref is not fetched by the driver (which would pull every
         bucket through its node) but by each replica. A failure inside the
         trainer is stored in that object and raised by the replica's fetch.
+        `fetch`: the driver reads it itself (a bucket's contents, a few KB,
+        when the bytes travel over another transport).
         """
         if not self._actor:
             bucket = next(self._gen, None)
@@ -117,10 +120,18 @@ class BucketStream:
                 "overloaded or its preflight is slower than the deadline"
             )
         try:
-            return [next(self._gen)]
+            ref = next(self._gen)
         except StopIteration:
             self._done = True
             return None
+        if not fetch:
+            return [ref]
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise SyncTimeoutError(f"the trainer's bucket contents did not arrive within {timeout_s:.0f} s") from None
+        except Exception as error:  # the trainer raised while producing it
+            raise remote_error(error, "the trainer", "stream_buckets") from None
 
     def close(self) -> None:
         """Stop the trainer's generator (its `finally` runs) unless it already ended."""

@@ -16,7 +16,7 @@ from refit.errors import ConfigError, InvalidTensorError
 from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
 
-__all__ = ["QuantizeOn", "SyncConfig", "Verify", "coerce_enum"]
+__all__ = ["Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
 
 class Verify(StrEnum):
@@ -32,6 +32,21 @@ class QuantizeOn(StrEnum):
 
     TRAINER = "trainer"  # FP8 codes + scales on the wire: about half the bytes of bf16
     ROLLOUT = "rollout"  # bf16 on the wire, quantized in the rollout process
+
+
+class Transport(StrEnum):
+    """How a bucket's bytes travel from the trainer to the rollouts' workers (refit/transport/)."""
+
+    RAY = "ray"  # Ray's object store; needs the engine core in the rollout actor's process
+    COLLECTIVE = "collective"  # one broadcast group of trainer and workers (gloo on CPU, NCCL on GPU)
+    IPC = "ipc"  # CUDA IPC handles: a trainer and rollout on the same GPU
+
+
+class Pause(StrEnum):
+    """What an update does to requests in flight (`actors.AsyncRolloutActor`; `RolloutActor` always waits)."""
+
+    WAIT = "wait"  # let them finish on the old weights, then update
+    ABORT = "abort"  # end them now, marked aborted, then update
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +78,15 @@ class SyncConfig:
     on_probe_breach: str = "fail"
     """What a breached probe threshold does: `"fail"` the sync (replicas refuse) or `"flag"` it in the report."""
 
+    transport: Transport = Transport.RAY
+    """`"ray"` (default; the engine core must run in the rollout actor's process), `"collective"`
+    (a broadcast group straight into the workers; any engine process layout), or `"ipc"` (CUDA only,
+    trainer and rollout on one GPU). One per Syncer: a sequence naming several is refused."""
+
+    pause: Pause = Pause.WAIT
+    """`"wait"`: requests in flight finish on the old weights before an update; `"abort"`: they end
+    at once, marked aborted (`actors.AsyncRolloutActor` only)."""
+
     progress: bool | None = None
     """A progress bar over buckets on stderr; None: only when stderr is a terminal."""
 
@@ -74,7 +98,16 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy), ("verify", Verify)):
+        if isinstance(self.transport, (list, tuple, set)):
+            kinds = sorted({str(t) for t in self.transport})
+            if len(kinds) != 1:
+                problems.append(
+                    f"transport={self.transport!r}: one Syncer moves every replica's bytes one way, and mixing "
+                    f"transports ({', '.join(kinds)}) within one Syncer is not supported; use one Syncer per transport"
+                )
+            object.__setattr__(self, "transport", kinds[0] if kinds else None)
+        for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy), ("verify", Verify),
+                           ("transport", Transport), ("pause", Pause)):
             try:
                 object.__setattr__(self, name, coerce_enum(enum, getattr(self, name), name))
             except ConfigError as error:

@@ -29,6 +29,7 @@ from refit.orchestration.config import QuantizeOn, SyncConfig
 from refit.orchestration.expected_weights import ExpectedWeight, expected_weights, may_stream
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
+from refit.transport.buckets import packed_bytes_bound
 
 __all__ = ["PlannedTensor", "RolloutModelInfo", "TensorMeta", "TransferPlan", "make_plan", "module_classes"]
 
@@ -110,6 +111,12 @@ class PlannedTensor:
     def wire_bytes(self, quantize_on: QuantizeOn) -> int:
         return self.quantized_bytes if quantize_on is QuantizeOn.TRAINER else self.source_bytes
 
+    def wire_parts(self, quantize_on: QuantizeOn) -> list[int]:
+        """Bytes of each tensor it travels as: FP8 codes and block scales, or itself."""
+        if self.block is None or quantize_on is not QuantizeOn.TRAINER:
+            return [self.source_bytes]
+        return [math.prod(self.shape), self.quantized_bytes - math.prod(self.shape)]
+
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
@@ -124,6 +131,26 @@ class TransferPlan:
     def wire_bytes(self) -> int:
         """Bytes each replica fetches per sync."""
         return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)
+
+    def max_packed_bytes(self) -> int:
+        """The size of the largest packed bucket (an upper bound): what a receiving buffer must hold."""
+        return max(packed_bytes_bound(n for t in bucket for n in t.wire_parts(self.quantize_on)) for bucket in self.buckets)
+
+    def layers_after(self, index: int) -> set[str]:
+        """The layers (`layer_key`) that still receive tensors after bucket `index`.
+
+        vLLM's layerwise reload keeps references to what it was given until
+        a layer is complete, so a receiver that reuses its buffers copies the
+        tensors of these layers before the next bucket lands on them.
+        """
+        return {layer_key(t.target) for bucket in self.buckets[index + 1 :] for t in bucket}
+
+
+def layer_key(name: str) -> str:
+    """The decoder layer a name belongs to (`model.layers.3`, the prefix up to its outermost index), else the name."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return name if index is None else ".".join(parts[: index + 1])
 
 
 def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig) -> TransferPlan:
@@ -203,12 +230,12 @@ def _layer_order(names: list[str]) -> list[str]:
     post: list[str] = []
     stacks: dict[tuple[str, int], list[str]] = {}
     for name in names:
-        parts = name.split(".")
-        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        if index is None:
+        key = layer_key(name)
+        if key == name:
             (post if stacks else pre).append(name)
             continue
-        stacks.setdefault((".".join(parts[:index]), int(parts[index])), []).append(name)
+        prefix, _, index = key.rpartition(".")
+        stacks.setdefault((prefix, int(index)), []).append(name)
     prefix_rank: dict[str, int] = {}
     for prefix, _ in stacks:
         prefix_rank.setdefault(prefix, len(prefix_rank))

@@ -16,6 +16,13 @@ The whole flow of one sync, top to bottom:
    runs the post-refit KV-scale stage, clears its prefix cache and serves
    the new version.
 
+How the bytes travel is `SyncConfig.transport` (refit/transport/): through
+Ray's object store (`ray`: each replica fetches the bucket's refs itself, so
+the driver never pulls bucket bytes), or over a collective group the Syncer
+makes once (`collective`) or CUDA IPC (`ipc`), where the trainer's stream
+carries only each bucket's table of contents and the driver hands it on to
+the replicas together with the next bucket's size.
+
 Every remote wait has a deadline (`SyncConfig.timeout_s`). On any failure,
 at any step, including a driver interrupt, the trainer's stream is closed
 and every replica's update is aborted: a replica that received nothing
@@ -36,11 +43,12 @@ from typing import Any
 
 from refit.errors import ConfigError, EngineError, InvalidTensorError, PlanMismatchError
 from refit.orchestration.calls import BucketStream, call_all, is_actor, raise_first_error, submit_all, summary, wait_all
-from refit.orchestration.config import SyncConfig, Verify
+from refit.orchestration.config import SyncConfig, Transport, Verify
 from refit.orchestration.metrics import record_failure, record_sync
 from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan, make_plan
 from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
+from refit.transport.collective import Rendezvous, RendezvousHost
 from refit.verification.probe import ProbeRequest, probe_prompts
 
 __all__ = ["Syncer", "sync"]
@@ -75,11 +83,28 @@ class Syncer:
         if self.config.verify is Verify.PROBE:
             problems += [f"{who} lacks reference_logprobs(), which verify='probe' needs"
                          for who, source in self._sources if not has_method(source, "reference_logprobs")]
+        problems += self._transport_problems()
         if problems:
             raise ConfigError("these actors cannot be synced (see refit.protocols):\n  " + "\n  ".join(problems))
         self._replicas = [(f"rollout {i}", r) for i, r in enumerate(self.rollouts)]
         self._plan: TransferPlan | None = None
         self._rollout_model: RolloutModelInfo | None = None
+        self._group: RendezvousHost | None = None  # the collective group's rendezvous, held while the group lives
+
+    def _transport_problems(self) -> list[str]:
+        transport = self.config.transport
+        if transport is Transport.RAY:
+            return []
+        if self._sources[0][0] != "the trainer":
+            return [f"transport={str(transport)!r} sends from one trainer process; a sharded trainer's ranks each send "
+                    "a part, which only transport='ray' carries so far"]
+        needs = ("join_transport", "leave_transport", "transport_group") if transport is Transport.COLLECTIVE else ()
+        problems = [f"the trainer lacks {m}(), which transport={str(transport)!r} needs"
+                    for m in needs if not has_method(self.trainer, m)]
+        replica_needs = needs + ("transport_ranks",) if needs else ()
+        problems += [f"rollout {i} lacks {m}(), which transport={str(transport)!r} needs"
+                     for i, r in enumerate(self.rollouts) for m in replica_needs if not has_method(r, m)]
+        return problems
 
     def plan(self) -> TransferPlan:
         """The transfer plan, made on first use from both sides' metadata."""
@@ -104,11 +129,12 @@ class Syncer:
         stages: dict[str, float] = {}
         try:
             stage = time.perf_counter()
+            transport = self._connect()
             proposals = raise_first_error(call_all(self._replicas, "begin_update", plan, sync_id, self.config, timeout_s=timeout))
             version = max(proposals)
             stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
             log.debug("sync %s v%d: began on %d replica(s)", sync_id, version, len(self.rollouts))
-            load_seconds = self._stream(plan, sync_id, version)
+            load_seconds = self._stream(plan, sync_id, version, transport)
             stages["stream"], stage = time.perf_counter() - stage, time.perf_counter()
             log.debug("sync %s v%d: streamed %d bucket(s), %.1f MiB per replica, in %.3f s",
                      sync_id, version, len(plan.buckets), plan.wire_bytes / 2**20, time.perf_counter() - start)
@@ -117,6 +143,8 @@ class Syncer:
             stages["finish"] = time.perf_counter() - stage
         except BaseException as error:
             self._abort(sync_id, error)
+            if self._group is not None:  # a broadcast may be left half-posted: the next sync starts a new group
+                self._disconnect()
             log.warning("sync %s failed: %s\n  %s", sync_id, summary(error), "\n  ".join(getattr(error, "__notes__", [])))
             record_failure(verification_failed=isinstance(error, (InvalidTensorError, EngineError)))
             raise
@@ -146,8 +174,13 @@ class Syncer:
         record_sync(report, verified=self.config.verify is not Verify.OFF)
         return report
 
-    def _stream(self, plan: TransferPlan, sync_id: str, version: int) -> list[float]:
-        """Hand each bucket to every replica as it is produced; bounded in flight, every wait bounded."""
+    def _stream(self, plan: TransferPlan, sync_id: str, version: int, transport: Rendezvous | str) -> list[float]:
+        """Hand each bucket to every replica as it is produced; bounded in flight, every wait bounded.
+
+        Over `collective` and `ipc` the driver reads each bucket's contents
+        and looks one bucket ahead, so that a worker can post the receive of
+        the next bucket before it loads this one.
+        """
         timeout = self.config.timeout_s
         in_flight: collections.deque[list[tuple[str, Any]]] = collections.deque()
         seconds = [0.0] * len(self.rollouts)
@@ -158,18 +191,29 @@ class Syncer:
                 seconds[replica] += value
             progress.update()
 
-        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight) for _, source in self._sources]
+        def ended_early(parts: list[Any]) -> PlanMismatchError:
+            while in_flight:  # a trainer that failed ended its stream: the loads raise its error first
+                wait_oldest()
+            ended = [who for (who, _), part in zip(self._sources, parts) if part is None]
+            return PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(plan.buckets)} buckets")
+
+        by_contents = transport != Transport.RAY
+        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport) for _, source in self._sources]
         progress = _progress_bar(self.config.progress, len(plan.buckets), version)
         try:
-            for _ in plan.buckets:
-                parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
+            upcoming = streams[0].next(timeout, fetch=True) if by_contents else None
+            for index in range(len(plan.buckets)):
+                if by_contents:  # one sending rank: this bucket's contents, and the size of the one after
+                    parts, upcoming = [upcoming], streams[0].next(timeout, fetch=True) if index + 1 < len(plan.buckets) else None
+                else:
+                    parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
                 if any(part is None for part in parts):
-                    while in_flight:  # a trainer that failed ended its stream: the loads raise its error first
-                        wait_oldest()
-                    ended = [who for (who, _), part in zip(self._sources, parts) if part is None]
-                    raise PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(plan.buckets)} buckets")
-                bucket = parts[0] if len(parts) == 1 else [ref for part in parts for ref in _as_list(part)]
-                in_flight.append(submit_all(self._replicas, "load_bucket", sync_id, version, bucket))
+                    raise ended_early(parts)
+                if by_contents:
+                    args = (parts[0], None if upcoming is None else upcoming.nbytes)
+                else:
+                    args = (parts[0] if len(parts) == 1 else [ref for part in parts for ref in _as_list(part)],)
+                in_flight.append(submit_all(self._replicas, "load_bucket", sync_id, version, *args))
                 while len(in_flight) >= self.config.max_buckets_in_flight:
                     wait_oldest()
             while in_flight:
@@ -182,6 +226,62 @@ class Syncer:
             for stream in streams:
                 stream.close()
         return seconds
+
+    # -- the collective group ---------------------------------------------------
+    def _connect(self) -> Rendezvous | str:
+        """What the trainer's stream is told to send over: "ray", "ipc", or the collective group's rendezvous.
+
+        The group (the trainer at rank 0, then every worker of every replica)
+        is made on the first collective sync and kept; it is made again when
+        a member is no longer in it (a replica restarted, or joined another
+        Syncer's group) or after a failed sync.
+        """
+        if self.config.transport is not Transport.COLLECTIVE:
+            return str(self.config.transport)
+        timeout = self.config.timeout_s
+        members = self._sources + self._replicas
+        if self._group is not None:
+            groups = raise_first_error(call_all(members, "transport_group", timeout_s=timeout))
+            if all(g == self._group.rendezvous.group_id for g in groups):
+                return self._group.rendezvous
+            log.info("a member left collective group %s: making a new one", self._group.rendezvous.group_id)
+            self._disconnect()
+        ranks = raise_first_error(call_all(self._replicas, "transport_ranks", timeout_s=timeout))
+        names = ["the trainer"] + [f"{who} worker {w}" for (who, _), n in zip(self._replicas, ranks) for w in range(n)]
+        self._group = RendezvousHost(names, timeout)
+        rendezvous = self._group.rendezvous
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        pending = submit_all(self._sources, "join_transport", rendezvous, 0)
+        for replica, offset in zip(self._replicas, offsets):
+            pending += submit_all([replica], "join_transport", rendezvous, offset)
+        # Members give up on a missing one at the deadline and name it: wait a little longer for that answer.
+        try:
+            raise_first_error(wait_all(pending, "join_transport", timeout_s=timeout + 10))
+        except BaseException:
+            self._disconnect()
+            raise
+        log.info("collective group %s: %d members (%s)", rendezvous.group_id, len(names), ", ".join(names))
+        return rendezvous
+
+    def _disconnect(self) -> None:
+        """Every member leaves the group (bounded, best effort: a dead member has left already)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        for outcome in call_all(self._sources + self._replicas, "leave_transport", timeout_s=self.config.timeout_s):
+            if not outcome.ok:
+                log.warning("%s could not leave collective group %s: %s", outcome.who, group.rendezvous.group_id, summary(outcome.error))
+        group.close()
+
+    def close(self) -> None:
+        """Release what the Syncer holds between syncs: its collective group, if any."""
+        self._disconnect()
+
+    def __enter__(self) -> Syncer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _probe_request(self) -> ProbeRequest:
         """The probe prompts for the rollout's vocabulary and the trainer's logprobs on them (its current weights)."""
@@ -211,8 +311,9 @@ class Syncer:
 def sync(
     trainer: WeightSource, rollouts: RolloutReplica | Sequence[RolloutReplica], config: SyncConfig | None = None
 ) -> SyncReport:
-    """One-off sync. For repeated syncs keep a `Syncer`: it plans once."""
-    return Syncer(trainer, rollouts, config).sync()
+    """One-off sync. For repeated syncs keep a `Syncer`: it plans (and makes its collective group) once."""
+    with Syncer(trainer, rollouts, config) as syncer:
+        return syncer.sync()
 
 
 def _progress_bar(wanted: bool | None, total: int, version: int) -> Any:

@@ -1,4 +1,4 @@
-"""The trainer group's torch.distributed group: the one place that picks gloo or NCCL.
+"""The trainer group's torch.distributed group (gloo or NCCL: `refit.transport.devices`).
 
 Ranks rendezvous over TCP at rank 0's address. The group's timeout is the
 sync deadline, so a rank that dies inside a collective makes the others fail
@@ -13,13 +13,9 @@ import socket
 import torch
 
 from refit.errors import ConfigError
+from refit.transport.devices import backend_for_this_machine
 
-__all__ = ["backend_for_this_machine", "free_port", "init_trainer_group"]
-
-
-def backend_for_this_machine() -> tuple[str, str]:
-    """(torch.distributed backend, device type): NCCL on CUDA, gloo on the CPU."""
-    return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+__all__ = ["free_port", "init_trainer_group"]
 
 
 def free_port() -> int:

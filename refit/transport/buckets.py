@@ -20,7 +20,7 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.checksums import crc32
 
-__all__ = ["WireBucket", "WireTensor", "pack_bucket"]
+__all__ = ["BucketContents", "WireBucket", "WireTensor", "pack_bucket", "packed_bytes_bound"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -47,16 +47,51 @@ class WireTensor:
 
 
 @dataclass(frozen=True, slots=True)
-class WireBucket:
-    """One bucket as it travels: an index, a table of contents, and the bytes."""
+class BucketContents:
+    """A bucket's table of contents without its bytes: what crosses an RPC when the bytes take another road.
+
+    The collective transport broadcasts the bytes into the workers' buffers;
+    the ipc transport leaves them in the trainer's GPU memory and sends a
+    CUDA IPC handle (`ipc_handle`, pickled) to open them with.
+    """
 
     index: int
     tensors: tuple[WireTensor, ...]
-    buffer: np.ndarray
+    nbytes: int
+    ipc_handle: bytes | None = None
+
+    def to_plain(self) -> tuple:
+        """Plain data for vLLM's RPC (msgpack carries no refit classes)."""
+        return (self.index, [dataclasses.astuple(t) for t in self.tensors], self.nbytes, self.ipc_handle)
+
+    @classmethod
+    def from_plain(cls, plain: tuple | list) -> BucketContents:
+        index, tensors, nbytes, ipc_handle = plain
+        return cls(index, tuple(WireTensor(n, d, tuple(s), o, b, r, c) for n, d, s, o, b, r, c in tensors), nbytes, ipc_handle)
+
+    def with_bytes(self, buffer: np.ndarray | torch.Tensor) -> WireBucket:
+        """The whole bucket, once its bytes have arrived in `buffer` (a host array or a uint8 tensor on any device)."""
+        return WireBucket(self.index, self.tensors, buffer[: self.nbytes])
+
+
+@dataclass(frozen=True, slots=True)
+class WireBucket:
+    """One bucket as it travels: an index, a table of contents, and the bytes.
+
+    `buffer` is a host array when the bucket travels through Ray's object
+    store, or a uint8 tensor on the receiving device when it was broadcast.
+    """
+
+    index: int
+    tensors: tuple[WireTensor, ...]
+    buffer: np.ndarray | torch.Tensor
 
     @property
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)
+
+    def contents(self, *, ipc_handle: bytes | None = None) -> BucketContents:
+        return BucketContents(self.index, self.tensors, self.nbytes, ipc_handle)
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """Views into the buffer (no copy); the engine's loaders copy them into place."""
@@ -92,7 +127,14 @@ def pack_bucket(
     return WireBucket(index, tuple(table), buffer)
 
 
-def _as_tensor(buffer: np.ndarray) -> torch.Tensor:
+def packed_bytes_bound(tensor_bytes: Iterable[int]) -> int:
+    """At most how many bytes `pack_bucket` uses for tensors of these sizes (each padded to the alignment)."""
+    return sum(-(-n // _ALIGN) * _ALIGN for n in tensor_bytes)
+
+
+def _as_tensor(buffer: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer
     # Buffers fetched from Ray's object store are read-only; torch warns on
     # wrapping them. Nothing writes through these views, so it is safe.
     with warnings.catch_warnings():
