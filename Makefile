@@ -20,6 +20,7 @@ bench: env
 	$(PY) -m benchmarks.bench_quantizer
 	$(PY) -m benchmarks.bench_sync
 	$(PY) -m benchmarks.bench_sharded
+	$(PY) -m benchmarks.bench_transport
 
 # Regenerates the committed model fixtures: trains the tiny models in the main
 # venv, then quantizes them with the real llmcompressor in its own venv.

@@ -1,12 +1,13 @@
-"""Ray actor classes for refit: trainers (weight sources) and a rollout (vLLM engine).
+"""Ray actor classes for refit: trainers (weight sources) and rollouts (vLLM engines, batch or AsyncLLM).
 
 All are ordinary Ray actors an RL framework can create itself; `refit.Syncer`
 relies only on the methods of `refit.protocols.WeightSource` (a trainer, or
 each rank of a `TrainerGroup`) and `refit.protocols.RolloutReplica`.
 """
 
+from actors.async_rollout import AsyncRolloutActor
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerActor
 from actors.trainer_group import TrainerGroup, TrainerRank
 
-__all__ = ["RolloutActor", "TrainerActor", "TrainerGroup", "TrainerRank"]
+__all__ = ["AsyncRolloutActor", "RolloutActor", "TrainerActor", "TrainerGroup", "TrainerRank"]

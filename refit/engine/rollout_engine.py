@@ -101,8 +101,7 @@ class RolloutEngine:
 
     def join_group(self, rendezvous: Rendezvous, rank_offset: int) -> None:
         """Every worker joins the collective group at `rank_offset` + its rank; blocks until the group is whole."""
-        plain = [rendezvous.host, rendezvous.port, rendezvous.group_id, list(rendezvous.members), rendezvous.timeout_s]
-        self.llm.collective_rpc("refit_join_group", args=(plain, rank_offset))
+        self.llm.collective_rpc("refit_join_group", args=rendezvous_args(rendezvous, rank_offset))
 
     def leave_group(self) -> None:
         self.llm.collective_rpc("refit_leave_group")
@@ -131,7 +130,7 @@ class RolloutEngine:
             self.llm.collective_rpc("refit_start_amax")
             self.generate(calibration_prompts, max_tokens=1)
             # Tensor-parallel ranks see different heads: the amax is the max over ranks.
-            measured = _max_over_ranks(self.llm.collective_rpc("refit_stop_amax"))
+            measured = max_over_ranks(self.llm.collective_rpc("refit_stop_amax"))
         written = self.llm.collective_rpc("refit_apply_kv_policy", args=(str(policy), version, measured))[0]
         self.llm.reset_prefix_cache()
         return written
@@ -141,8 +140,7 @@ class RolloutEngine:
         self.llm.collective_rpc("refit_abandon_update")
 
     def scale_records(self) -> list[ScaleRecord]:
-        rows = self.llm.collective_rpc("refit_scale_records")[0]
-        return [ScaleRecord(**{**row, "source": ScaleSource(row["source"])}) for row in rows]
+        return scale_records_from_rows(self.llm.collective_rpc("refit_scale_records")[0])
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
@@ -200,9 +198,20 @@ def _refuse_if_it_cannot_fit(config: EngineConfig) -> None:
         )
 
 
-def _max_over_ranks(per_rank: list[list[tuple[str, str, float]]]) -> list[tuple[str, str, float]]:
+def max_over_ranks(per_rank: list[list[tuple[str, str, float]]]) -> list[tuple[str, str, float]]:
+    """Attention amax measured by each tensor-parallel worker (each sees its own heads): the max over them."""
     amax: dict[tuple[str, str], float] = {}
     for rows in per_rank:
         for module, scale, value in rows:
             amax[(module, scale)] = max(amax.get((module, scale), 0.0), value)
     return [(module, scale, value) for (module, scale), value in amax.items()]
+
+
+def rendezvous_args(rendezvous: Rendezvous, rank_offset: int) -> tuple:
+    """`refit_join_group`'s arguments as plain data (vLLM's RPC carries no refit classes)."""
+    plain = [rendezvous.host, rendezvous.port, rendezvous.group_id, list(rendezvous.members), rendezvous.timeout_s]
+    return (plain, rank_offset)
+
+
+def scale_records_from_rows(rows: list[dict]) -> list[ScaleRecord]:
+    return [ScaleRecord(**{**row, "source": ScaleSource(row["source"])}) for row in rows]

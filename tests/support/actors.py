@@ -74,3 +74,24 @@ def double_weight_scale(rollout, module: str) -> None:
         scale.data[0, 0] *= 2
 
     rollout.engine.llm.collective_rpc(corrupt)
+
+
+def snapshot_weights(trainer, version: int) -> None:
+    """Keep a copy of the trainer's current weights under `version` (for `greedy_gaps`)."""
+    snapshots = trainer.__dict__.setdefault("_test_snapshots", {})
+    snapshots[version] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@torch.no_grad()
+def greedy_gaps(trainer, version: int, sequences: Sequence[Sequence[int]], prompt_len: int) -> list[float]:
+    """Per sequence (prompt + continuation, one length): under `version`'s weights, how far (in nats) its
+    least greedy continuation token falls below that step's best token; 0 for a greedy continuation."""
+    current = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model.load_state_dict(trainer._test_snapshots[version])
+    try:
+        ids = torch.tensor([list(s) for s in sequences])
+        logprobs = trainer.model(input_ids=ids).logits[:, prompt_len - 1 : -1].float().log_softmax(-1)
+        chosen = logprobs.gather(-1, ids[:, prompt_len:, None])[..., 0]
+        return (logprobs.max(-1).values - chosen).max(-1).values.tolist()
+    finally:
+        trainer.model.load_state_dict(current)

@@ -1,0 +1,61 @@
+"""The `ray` transport against `collective` on the same model and rollout, measured in one run.
+
+Same synthetic Qwen3 as bench_sync (trainer on node 0, one FP8_BLOCK dummy-
+loaded rollout with its engine core in the actor's process on node 1, so
+both transports can reach it). Syncs alternate between the two transports,
+which share the plan, the quantizer and the checks; only the road the bytes
+take differs: the object store (a put, a fetch, then vLLM's RPC) or one
+broadcast over a gloo group into the worker's preallocated buffers. Prints
+the medians and their ratio. On GPUs the collective group runs NCCL
+(scripts/gpu_check.sh). Run with `.venv/bin/python -m benchmarks.bench_transport`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+import refit
+from actors import RolloutActor, TrainerActor
+from benchmarks.bench_sync import model_arguments, synthetic_checkpoints
+from fixtures.cluster import local_cluster
+from refit import EngineConfig
+
+
+def main() -> None:
+    args = model_arguments(__doc__)
+    with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
+        bf16, fp8 = synthetic_checkpoints(Path(tmp), args.layers, args.hidden)
+        trainer = TrainerActor.options(num_cpus=0, resources={"node0": 0.01}).remote(str(bf16))
+        rollout = RolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(
+            EngineConfig(model=str(fp8), load_format="dummy", kv_cache_dtype="fp8_e4m3", max_model_len=256)
+        )
+        bucket = int(args.bucket_mib * 2**20)
+        syncers = {name: refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, transport=name))
+                   for name in ("ray", "collective")}
+        for syncer in syncers.values():
+            syncer.sync()  # warm-up: plan, group, kernel build, first-touch allocations
+        seconds: dict[str, list[float]] = {name: [] for name in syncers}
+        stream: dict[str, list[float]] = {name: [] for name in syncers}
+        for _ in range(args.repeats):
+            for name, syncer in syncers.items():
+                report = syncer.sync()
+                seconds[name].append(report.total_seconds)
+                stream[name].append(report.stream_seconds)
+        for syncer in syncers.values():
+            syncer.close()
+
+        plan = syncers["ray"].plan()
+        print(f"model: {args.layers} layers, hidden {args.hidden}, {sum(t.source_bytes for t in plan.tensors) / 2**20:.0f} MiB bf16; "
+              f"{plan.wire_bytes / 2**20:.0f} MiB on the wire in {len(plan.buckets)} buckets of <= {args.bucket_mib:g} MiB")
+        medians = {name: statistics.median(s) for name, s in seconds.items()}
+        for name, median in medians.items():
+            print(f"  {name:<11} median {median:.3f} s per sync (stream stage {statistics.median(stream[name]):.3f} s), "
+                  f"{plan.wire_bytes / 2**20 / median:.0f} MiB/s on the wire")
+        print(f"  collective / ray time ratio: {medians['collective'] / medians['ray']:.2f} "
+              f"(below 1: collective is faster)")
+
+
+if __name__ == "__main__":
+    main()

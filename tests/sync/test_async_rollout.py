@@ -1,0 +1,147 @@
+"""An AsyncLLM rollout under load: 32 requests in flight across 10 syncs, every output tagged with its version.
+
+The engine core runs in its own process with two tensor-parallel worker
+processes (bf16, dummy-loaded), synced over the collective transport. The
+trainer takes a step before each sync, so every version is a different
+model; the trainer keeps a copy of each version's weights as the reference.
+
+"What its version generates" is checked as: every token of the output is
+the greedy choice of that version's model given the tokens before it, to
+within `TIE` nats. Exact equality with one isolated greedy run is not the
+right test under continuous batching: bf16 sums depend on the batch a
+request shares, and these random models have near-ties, so about one
+output in ten takes the other side of a tie somewhere (all within 0.05
+nats). Under the previous version's weights most outputs miss by nats,
+which the test also checks, so it can tell versions apart.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+
+import refit
+from fixtures import PROMPT_LEN, make_prompts, make_sequences, model_dir
+from refit import Phase
+from tests.support.actors import greedy_gaps, run_in, snapshot_weights
+
+PROMPTS = make_prompts(32, PROMPT_LEN, seed=17)
+TOKENS = 12
+IN_FLIGHT = 32
+TIE = 0.1  # nats
+
+
+def gaps_under(trainer, version: int, outputs: list) -> list[float]:
+    """`greedy_gaps` of whole-length outputs [(prompt index, completion), ...] under `version`'s weights."""
+    sequences = sorted({tuple(PROMPTS[p]) + tuple(c.token_ids) for p, c in outputs if len(c.token_ids) == TOKENS})
+    return run_in(trainer, greedy_gaps, version, sequences, PROMPT_LEN) if sequences else []
+
+
+def check_versions(trainer, outputs: list, versions: list[int]) -> None:
+    """Every output is greedy under its version's weights; most are not under the version before."""
+    for version in versions:
+        mine = [(p, c) for p, c in outputs if c.version == version]
+        own = gaps_under(trainer, version, mine)
+        assert max(own, default=0.0) < TIE, f"v{version}: an output is not what v{version} generates ({max(own):.3f} nats off)"
+        if version - 1 in versions and own:
+            previous = gaps_under(trainer, version - 1, mine)
+            assert sum(gap > TIE for gap in previous) >= 0.5 * len(previous), f"v{version} and v{version - 1} look alike"
+
+
+@pytest.fixture(scope="module")
+def setup(module_actors):
+    from actors import AsyncRolloutActor
+
+    trainer = module_actors.trainer(model_dir(False, "bf16"), node=0, reinitialize=True, seed=3, lr=3e-3)
+    config = refit.EngineConfig(model=str(model_dir(False, "bf16")), load_format="dummy", tensor_parallel_size=2, max_model_len=128)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per worker
+    rollout = module_actors.keep(AsyncRolloutActor.options(
+        num_cpus=0, resources={"node1": 0.01}, runtime_env={"env_vars": env}).remote(config))
+    return trainer, rollout
+
+
+class Load:
+    """Keeps `IN_FLIGHT` requests running against the rollout (from a driver thread) until stopped."""
+
+    def __init__(self, rollout) -> None:
+        self.rollout, self.done, self.failed = rollout, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        count = 0
+        pending = {}
+        while not self._stop.is_set() or pending:
+            while not self._stop.is_set() and len(pending) < IN_FLIGHT:
+                prompt = count % len(PROMPTS)
+                pending[self.rollout.generate.remote(PROMPTS[prompt], TOKENS)] = prompt
+                count += 1
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=60)
+            for ref in ready:
+                prompt = pending.pop(ref)
+                try:
+                    self.done.append((prompt, ray.get(ref)))
+                except Exception as error:  # noqa: BLE001 - the test asserts there are none
+                    self.failed.append((prompt, error))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+def test_wait_mode_loses_no_request_and_tags_every_output_with_its_version(setup):
+    trainer, rollout = setup
+    with pytest.raises(refit.ReplicaRefusingError, match="run a sync first"):
+        ray.get(rollout.generate.remote(PROMPTS[0], TOKENS))
+    syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(transport="collective", timeout_s=60))
+    versions = []
+
+    def step_and_sync() -> None:
+        ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=len(versions)).tolist()))
+        versions.append(syncer.sync().version)
+        run_in(trainer, snapshot_weights, versions[-1])
+
+    step_and_sync()
+    load = Load(rollout)
+    for _ in range(10):
+        step_and_sync()
+    load.stop()
+    syncer.close()
+
+    assert load.failed == []
+    assert not any(c.aborted or len(c.token_ids) != TOKENS for _, c in load.done)
+    served = {c.version for _, c in load.done}
+    assert len(served) >= 5, served  # the load really ran across the syncs
+    check_versions(trainer, load.done, versions)
+    assert ray.get(rollout.status.remote()).served_version == versions[-1]
+
+
+def test_abort_mode_returns_requests_in_flight_marked_aborted(setup):
+    trainer, rollout = setup
+    syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(transport="collective", pause="abort", timeout_s=60))
+    versions = [syncer.sync().version]
+    run_in(trainer, snapshot_weights, versions[-1])
+    load = Load(rollout)
+    for step in range(3):
+        ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=100 + step).tolist()))
+        versions.append(syncer.sync().version)
+        run_in(trainer, snapshot_weights, versions[-1])
+    load.stop()
+    syncer.close()
+
+    assert load.failed == []
+    aborted = [c for _, c in load.done if c.aborted]
+    assert aborted, "no request was in flight at an update"
+    assert all(len(c.token_ids) < TOKENS for c in aborted)  # ended early, with what it had generated
+    check_versions(trainer, [(p, c) for p, c in load.done if not c.aborted], versions)
+
+
+def test_the_ray_transport_is_refused_before_requests_are_held(setup):
+    trainer, rollout = setup
+    before = ray.get(rollout.status.remote())
+    with pytest.raises(refit.ConfigError, match=r"AsyncLLM's engine core .*\(transport='collective'\)"):
+        refit.sync(trainer, rollout)
+    assert ray.get(rollout.status.remote()) == before and before.phase is Phase.SERVING
