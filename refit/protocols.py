@@ -46,6 +46,14 @@ class WeightSource(Protocol):
         `max_buckets_in_flight` buckets ahead. The stream is closed (the
         generator's `finally` runs) when a sync ends early. Checks every tensor
         before the first bucket, so bad state sends nothing.
+
+        Other transports than `"ray"` call `stream_buckets(plan, transport)`
+        (the collective group's `Rendezvous`, or `"ipc"`): pass the buckets
+        through a `refit.transport.sender.TransportSender`'s `send`, which
+        yields each bucket's contents while the bytes take the other road.
+        `"collective"` also needs `join_transport(rendezvous, rank)`,
+        `leave_transport()` and `transport_group()` (the sender's `join`,
+        `leave`, `group_id`); `actors.TrainerActor` has all of them.
         """
         ...
 
@@ -99,6 +107,11 @@ class RolloutReplica(Protocol):
 
         Through Ray the bucket arrives as a one-element list holding its object
         ref, which the replica fetches itself (see `refit.orchestration.calls.BucketStream`).
+        Over `"collective"` or `"ipc"` it is a `BucketContents`, followed by
+        the next bucket's size (`next_bucket_bytes`), and the replica's
+        workers receive the bytes; such replicas also have `join_transport`,
+        `leave_transport`, `transport_group` and `transport_ranks`
+        (`actors.RolloutActor`, `actors.AsyncRolloutActor`).
         """
         ...
 

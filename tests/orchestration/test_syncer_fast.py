@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit import ConfigError, EngineError, Phase, Syncer
+from refit import ConfigError, EngineError, Phase, SyncConfig, Syncer
 from tests.support.fakes import CONFIG, FakeReplica, FakeTrainer, expected_names, setup, tiny_decoder
 
 
@@ -117,3 +117,31 @@ def test_the_report_times_every_stage():
     stages = report.plan_seconds + report.begin_seconds + report.stream_seconds + report.finish_seconds
     assert 0 < stages <= report.total_seconds
     assert "stream" in report.summary()
+
+
+def test_a_transport_the_actors_cannot_use_is_refused_before_anything_runs():
+    trainer, replicas = setup()
+    with pytest.raises(ConfigError, match=r"the trainer lacks join_transport\(\), which transport='collective' needs"):
+        Syncer(trainer, replicas, SyncConfig(transport="collective"))
+
+    class Sharded:
+        ranks = [trainer, trainer]
+
+    with pytest.raises(ConfigError, match="a sharded trainer's ranks each send a part, which only transport='ray' carries"):
+        Syncer(Sharded(), replicas, SyncConfig(transport="collective"))
+
+
+def test_mixing_transports_within_one_syncer_is_refused():
+    with pytest.raises(ConfigError, match=r"mixing transports \(collective, ray\) within one Syncer is not supported"):
+        SyncConfig(transport=("collective", "ray"))
+    assert SyncConfig(transport=["collective", "collective"]).transport == "collective"
+
+
+def test_ipc_on_a_machine_without_cuda_is_refused_naming_who_lacks_it():
+    from refit import TransportError
+    from refit.transport.ipc import IpcSender
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(TransportError, match=r"transport='ipc' needs CUDA, and the trainer has no CUDA device"):
+        IpcSender(keep=2)

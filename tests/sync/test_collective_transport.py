@@ -111,3 +111,11 @@ def test_a_worker_that_never_joins_fails_the_sync_in_time_naming_it(setup):
     assert [ray.get(r.status.remote()) for r in (in_process, own_process)] == before
     # Nothing is left stuck: once the lock is free, a sync over a new group goes through.
     assert refit.sync(trainer, [in_process, own_process], COLLECTIVE).replicas[1].served_version > before[1].served_version
+
+
+def test_ipc_on_cpu_machines_is_refused_and_the_replica_keeps_serving(setup):
+    trainer, in_process, _ = setup
+    before = ray.get(in_process.status.remote())
+    with pytest.raises(refit.TransportError, match="transport='ipc' needs CUDA"):
+        refit.sync(trainer, in_process, refit.SyncConfig(transport="ipc"))
+    assert ray.get(in_process.status.remote()) == before
