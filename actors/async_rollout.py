@@ -35,7 +35,7 @@ from actors._logging import show_refit_logs
 from refit.engine.async_engine import AsyncRolloutEngine, Completion
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import Phase, ReplicaStatus, UpdateLifecycle
-from refit.errors import ConfigError, EngineError, InvalidTensorError, LifecycleError, ReplicaRefusingError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, InvalidTensorError, ReplicaRefusingError, SyncTimeoutError
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord
@@ -54,10 +54,7 @@ class AsyncRolloutActor:
     def __init__(self, config: EngineConfig) -> None:
         show_refit_logs()
         self.engine = AsyncRolloutEngine(config)
-        refusal = None
-        if config.load_format == "dummy":
-            refusal = "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
-        self._lifecycle = UpdateLifecycle(refusal=refusal)
+        self._lifecycle = UpdateLifecycle(refusal=config.initial_refusal)
         self._update_lock = asyncio.Lock()  # update steps, in submission order, and the watchdog
         self._gate = asyncio.Event()  # set: requests may enter the engine
         self._gate.set()
@@ -121,10 +118,9 @@ class AsyncRolloutActor:
             self._admitted.notify_all()
 
     # -- transport ---------------------------------------------------------------------
-    async def join_transport(self, rendezvous: Rendezvous, rank_offset: int) -> None:
+    async def join_transport(self, rendezvous: Rendezvous, rank_offset: int, sync_id: str | None = None) -> None:
         async with self._update_lock:
-            if self._lifecycle.open_update() is not None:
-                raise LifecycleError(f"cannot change collective groups during sync {self._lifecycle.open_update()}'s update")
+            self._lifecycle.check_group_change(sync_id)
             self._group_id = None
             await self.engine.join_group(rendezvous, rank_offset)
             self._group_id = rendezvous.group_id

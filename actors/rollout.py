@@ -23,7 +23,7 @@ from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
-from refit.errors import ConfigError, EngineError, InvalidTensorError, LifecycleError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, InvalidTensorError, SyncTimeoutError
 from refit.orchestration.calls import remote_error
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.data_path import loadable_tensors
@@ -44,10 +44,7 @@ class RolloutActor:
     def __init__(self, config: EngineConfig) -> None:
         show_refit_logs()
         self.engine = RolloutEngine(config)
-        refusal = None
-        if config.load_format == "dummy":
-            refusal = "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
-        self._lifecycle = UpdateLifecycle(refusal=refusal)
+        self._lifecycle = UpdateLifecycle(refusal=config.initial_refusal)
         self._update_lock = threading.Lock()  # update steps vs the watchdog
         self._open: tuple[TransferPlan, SyncConfig] | None = None  # of the update the lifecycle holds open
         self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open update
@@ -85,11 +82,13 @@ class RolloutActor:
 
     # -- update lifecycle ("update": one thread, submission order) ------------
     @ray.method(concurrency_group="update")
-    def join_transport(self, rendezvous: Rendezvous, rank_offset: int) -> None:
-        """Every worker joins a sync's collective group from `rank_offset` on (leaving any earlier group)."""
+    def join_transport(self, rendezvous: Rendezvous, rank_offset: int, sync_id: str | None = None) -> None:
+        """Every worker joins a sync's collective group from `rank_offset` on (leaving any earlier group).
+
+        During an update only the sync that owns it (`sync_id`) may move the workers to another group.
+        """
         with self._update_lock:
-            if self._lifecycle.open_update() is not None:
-                raise LifecycleError(f"cannot change collective groups during sync {self._lifecycle.open_update()}'s update")
+            self._lifecycle.check_group_change(sync_id)
             self._group_id = None
             self.engine.join_group(rendezvous, rank_offset)
             self._group_id = rendezvous.group_id

@@ -46,6 +46,15 @@ def synthetic_checkpoints(root: Path, layers: int, hidden: int) -> tuple[Path, P
     return bf16, fp8
 
 
+def start_trainer_and_rollout(bf16: Path, fp8: Path) -> tuple:
+    """A trainer on node 0 and one FP8_BLOCK dummy-loaded rollout (FP8 KV cache) on node 1."""
+    trainer = TrainerActor.options(num_cpus=0, resources={"node0": 0.01}).remote(str(bf16))
+    rollout = RolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(
+        EngineConfig(model=str(fp8), load_format="dummy", kv_cache_dtype="fp8_e4m3", max_model_len=256)
+    )
+    return trainer, rollout
+
+
 def model_arguments(description: str | None) -> argparse.Namespace:
     """The command line every sync benchmark shares: the synthetic model, bucket size and repeats."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,11 +69,7 @@ def main() -> None:
     args = model_arguments(__doc__)
 
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
-        bf16, fp8 = synthetic_checkpoints(Path(tmp), args.layers, args.hidden)
-        trainer = TrainerActor.options(num_cpus=0, resources={"node0": 0.01}).remote(str(bf16))
-        rollout = RolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(
-            EngineConfig(model=str(fp8), load_format="dummy", kv_cache_dtype="fp8_e4m3", max_model_len=256)
-        )
+        trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
         bucket = int(args.bucket_mib * 2**20)
         syncers = {
             "in flight 1 (no overlap)": refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, max_buckets_in_flight=1)),

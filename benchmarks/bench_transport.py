@@ -17,20 +17,14 @@ import tempfile
 from pathlib import Path
 
 import refit
-from actors import RolloutActor, TrainerActor
-from benchmarks.bench_sync import model_arguments, synthetic_checkpoints
+from benchmarks.bench_sync import model_arguments, start_trainer_and_rollout, synthetic_checkpoints
 from fixtures.cluster import local_cluster
-from refit import EngineConfig
 
 
 def main() -> None:
     args = model_arguments(__doc__)
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
-        bf16, fp8 = synthetic_checkpoints(Path(tmp), args.layers, args.hidden)
-        trainer = TrainerActor.options(num_cpus=0, resources={"node0": 0.01}).remote(str(bf16))
-        rollout = RolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(
-            EngineConfig(model=str(fp8), load_format="dummy", kv_cache_dtype="fp8_e4m3", max_model_len=256)
-        )
+        trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
         bucket = int(args.bucket_mib * 2**20)
         syncers = {name: refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, transport=name))
                    for name in ("ray", "collective")}

@@ -89,6 +89,13 @@ class EngineConfig:
         if problems:
             raise ConfigError("invalid EngineConfig:\n  " + "\n  ".join(problems))
 
+    @property
+    def initial_refusal(self) -> str | None:
+        """Why a replica of this engine must not serve before its first sync, if it must not."""
+        if self.load_format == "dummy":
+            return "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
+        return None
+
     def kv_cache_bytes_on(self, on_gpu: bool) -> int | None:
         """The KV-cache size the engine is given on this kind of device (None: vLLM sizes it)."""
         if self.kv_cache_bytes is not None or on_gpu:

@@ -179,6 +179,15 @@ class UpdateLifecycle:
                         sync_id, update.proposed_version, update.buckets_loaded, reason, self._status)
             return self._status
 
+    def check_group_change(self, sync_id: str | None) -> None:
+        """A replica's workers may change collective groups outside an update, or within their own sync's update."""
+        with self._cond:
+            if self._update is None:
+                return
+            if self._update.sync_id != sync_id:
+                raise LifecycleError(f"cannot change collective groups during sync {self._update.sync_id}'s update")
+            self._update.deadline = self._clock() + self._update.lease_s
+
     def open_update(self) -> str | None:
         """The sync id of the open update, if any."""
         with self._cond:

@@ -105,6 +105,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._expected: frozenset[str] = frozenset()
         self._reload_open = False
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
+        self._prepared = False  # the receiver's buffers are sized for `_plan`
         self._receiver: BucketReceiver | None = None
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
@@ -133,6 +134,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         """Join a collective group as `rank` (leaving any earlier one); blocks until every member joined."""
         self.leave_group()
         self._receiver = BucketReceiver(CollectiveGroup.join(rendezvous, rank))
+        self._prepared = False
 
     def leave_group(self) -> None:
         if self._receiver is not None:
@@ -143,14 +145,16 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         return None if self._receiver is None else self._receiver.group.rendezvous.group_id
 
     def expect_plan(self, plan: TransferPlan, transport: str) -> None:
-        """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`."""
-        if transport == "collective":
-            if self._receiver is None:
-                raise LifecycleError("this worker is in no collective group; the sync must join it first")
-            self._receiver.prepare(plan.max_packed_bytes())
-        elif transport == "ipc":
+        """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`.
+
+        Called right after `start_weight_update`; the sync may join (or
+        re-join) its collective group after this, so buffers are sized at
+        the first bucket.
+        """
+        if transport == "ipc":
             require_cuda("this vLLM worker")
         self._plan = plan
+        self._prepared = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -183,6 +187,9 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         elif self._receiver is None:
             raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")
         else:
+            if not self._prepared:
+                self._receiver.prepare(self._plan.max_packed_bytes())
+                self._prepared = True
             bucket = self._receiver.receive(contents, update_info.next_bucket_bytes)
         tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify)
         # The reload holds on to tensors of a layer it has not completed (and to

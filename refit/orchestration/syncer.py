@@ -129,9 +129,10 @@ class Syncer:
         stages: dict[str, float] = {}
         try:
             stage = time.perf_counter()
-            transport = self._connect()
             proposals = raise_first_error(call_all(self._replicas, "begin_update", plan, sync_id, self.config, timeout_s=timeout))
             version = max(proposals)
+            # After begin: a rival sync refused by the replicas never gets to take the trainer into its group.
+            transport = self._connect(sync_id)
             stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
             log.debug("sync %s v%d: began on %d replica(s)", sync_id, version, len(self.rollouts))
             load_seconds = self._stream(plan, sync_id, version, transport)
@@ -228,7 +229,7 @@ class Syncer:
         return seconds
 
     # -- the collective group ---------------------------------------------------
-    def _connect(self) -> Rendezvous | str:
+    def _connect(self, sync_id: str) -> Rendezvous | str:
         """What the trainer's stream is told to send over: "ray", "ipc", or the collective group's rendezvous.
 
         The group (the trainer at rank 0, then every worker of every replica)
@@ -253,7 +254,7 @@ class Syncer:
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         pending = submit_all(self._sources, "join_transport", rendezvous, 0)
         for replica, offset in zip(self._replicas, offsets):
-            pending += submit_all([replica], "join_transport", rendezvous, offset)
+            pending += submit_all([replica], "join_transport", rendezvous, offset, sync_id)
         # Members give up on a missing one at the deadline and name it: wait a little longer for that answer.
         try:
             raise_first_error(wait_all(pending, "join_transport", timeout_s=timeout + 10))

@@ -177,3 +177,15 @@ def test_requests_that_do_not_finish_in_time_fail_the_begin_and_keep_serving():
     assert life.status().phase is Phase.SERVING and life.open_update() is None
     release.set()
     thread.join(5)
+
+
+def test_only_the_sync_that_owns_the_update_may_move_the_workers_to_another_collective_group():
+    """A rival sync joining the replicas to its group mid-update would strand the owner's broadcasts."""
+    lifecycle = UpdateLifecycle()
+    lifecycle.check_group_change(None)  # no update: any sync may
+    lifecycle.begin("a", lease_s=60, drain_timeout_s=1)
+    lifecycle.check_group_change("a")
+    with pytest.raises(LifecycleError, match="cannot change collective groups during sync a's update"):
+        lifecycle.check_group_change("b")
+    with pytest.raises(LifecycleError):
+        lifecycle.check_group_change(None)

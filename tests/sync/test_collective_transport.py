@@ -1,4 +1,4 @@
-"""The collective transport on real Ray and vLLM: the same model as the `ray` transport, into any engine layout.
+"""Both transports on real Ray and vLLM: the model a fresh engine serves, into any engine layout.
 
 Replica 0 runs vLLM's engine core in its own actor's process (as the `ray`
 transport needs); replica 1 runs it in a process of its own
@@ -18,8 +18,10 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from refit import Phase
-from refit.transport.collective import Rendezvous
-from tests.support.actors import hold_update_lock
+from refit.transport.collective import Rendezvous, RendezvousHost
+from tests.support.actors import hold_update_lock, node_id, run_in, save
+from tests.support.checkpoints import write_fp8_block_checkpoint
+from tests.support.faults import kill_during_syncs
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=13)
 # Small buckets: ~10 per sync, so layers straddle buckets and the workers' two buffers are reused.
@@ -47,28 +49,46 @@ def max_abs_diff(a, b) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b) if x is not None)
 
 
-def test_collective_serves_what_the_ray_transport_serves_in_every_engine_layout(setup):
+def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in_every_engine_layout(setup, module_actors, tmp_path):
+    """Tied embeddings, dummy load, FP8 KV cache: the seed's whole setup, healed by one sync, over either transport."""
     trainer, in_process, own_process = setup
-    refit.sync(trainer, in_process)
-    expected = served(in_process)
+    run_in(trainer, save, str(tmp_path / "bf16"))
+    fresh_dir = write_fp8_block_checkpoint(tmp_path / "bf16", tmp_path / "fp8", like=model_dir(True, "fp8_block"))
+    fresh = module_actors.rollout(fresh_dir, node=1, kv_cache_dtype="fp8_e4m3")
+    expected = served(fresh)
+    ray.kill(fresh)
+
+    report = refit.sync(trainer, in_process)  # the object store
+    node_of = {i: n["NodeID"] for n in ray.nodes() if n["Alive"] for i in range(3) if f"node{i}" in n["Resources"]}
+    assert len(set(node_of.values())) == 3 and run_in(trainer, node_id) == node_of[0]
+    assert report.replicas[0].node_id == node_of[1]
+    assert report.bytes_on_wire < 0.7 * sum(t.source_bytes for t in refit.Syncer(trainer, in_process).plan().tensors)
+    assert_serves(in_process, expected)
 
     with refit.Syncer(trainer, [in_process, own_process], COLLECTIVE) as syncer:
         report = syncer.sync()
         assert report.buckets >= 8 and [r.served_version for r in report.replicas] == [2, 2]
+        assert report.replicas[1].node_id == node_of[2]
         for replica in (in_process, own_process):
-            got = served(replica)
-            assert got.token_ids == expected.token_ids
-            assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
-            assert max_abs_diff(got.prompt_logprobs, expected.prompt_logprobs) < 1e-5
+            assert_serves(replica, expected)
         group = ray.get(in_process.transport_group.remote())
         assert group is not None and ray.get(own_process.transport_group.remote()) == group
+        assert syncer.sync().version == 3 and ray.get(own_process.transport_group.remote()) == group  # the group is kept
 
-        # The group is kept between syncs, and bf16 on the wire (quantized by the workers) gives the same bits.
-        assert syncer.sync().version == 3 and ray.get(own_process.transport_group.remote()) == group
-    rollout_side = refit.SyncConfig(transport="collective", quantize_on="rollout", timeout_s=60)
-    refit.sync(trainer, [in_process, own_process], rollout_side)
-    assert all(served(r).token_ids == expected.token_ids for r in (in_process, own_process))
+    # Quantizing in the rollout process instead (bf16 on the wire) delivers the same bits, over both transports.
+    for replicas, transport in (([in_process], "ray"), ([in_process, own_process], "collective")):
+        report = refit.sync(trainer, replicas, refit.SyncConfig(transport=transport, quantize_on="rollout", timeout_s=60))
+        assert report.bytes_on_wire == sum(t.source_bytes for t in refit.Syncer(trainer, in_process).plan().tensors)
+        for replica in replicas:
+            assert_serves(replica, expected)
     assert ray.get(own_process.transport_group.remote()) is None  # sync() closed its Syncer's group
+
+
+def assert_serves(replica, expected) -> None:
+    got = served(replica)
+    assert got.token_ids == expected.token_ids
+    assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
+    assert max_abs_diff(got.prompt_logprobs, expected.prompt_logprobs) < 1e-5
 
 
 def test_a_group_is_made_again_when_its_replicas_change(setup):
@@ -101,16 +121,17 @@ def test_an_unreachable_rendezvous_is_named_and_the_replica_keeps_serving(setup)
     assert before.phase is Phase.SERVING and served(in_process).token_ids
 
 
-def test_a_worker_that_never_joins_fails_the_sync_in_time_naming_it(setup):
-    trainer, in_process, own_process = setup
-    before = [ray.get(r.status.remote()) for r in (in_process, own_process)]
-    ray.get(own_process.__ray_call__.remote(hold_update_lock, 12))  # its join waits behind the lock
-    quick = refit.SyncConfig(transport="collective", timeout_s=4)
-    with pytest.raises(refit.SyncTimeoutError, match=r"rollout 1 worker 0 did not join within 4 s"):
-        refit.sync(trainer, [in_process, own_process], quick)
-    assert [ray.get(r.status.remote()) for r in (in_process, own_process)] == before
-    # Nothing is left stuck: once the lock is free, a sync over a new group goes through.
-    assert refit.sync(trainer, [in_process, own_process], COLLECTIVE).replicas[1].served_version > before[1].served_version
+def test_a_worker_that_never_joins_fails_the_others_in_time_naming_it(setup):
+    trainer, in_process, _ = setup
+    before = ray.get(in_process.status.remote())
+    host = RendezvousHost(["the trainer", "rollout 0 worker 0", "rollout 1 worker 0"], timeout_s=4)
+    joins = [trainer.join_transport.remote(host.rendezvous, 0), in_process.join_transport.remote(host.rendezvous, 1)]
+    for join in joins:  # rollout 1 never comes
+        with pytest.raises(refit.SyncTimeoutError, match=r"rollout 1 worker 0 did not join within 4 s"):
+            ray.get(join, timeout=60)
+    host.close()
+    assert ray.get(in_process.status.remote()) == before and served(in_process).token_ids
+    assert refit.sync(trainer, in_process, COLLECTIVE).replicas[0].served_version > before.served_version
 
 
 def test_ipc_on_cpu_machines_is_refused_and_the_replica_keeps_serving(setup):
@@ -119,3 +140,58 @@ def test_ipc_on_cpu_machines_is_refused_and_the_replica_keeps_serving(setup):
     with pytest.raises(refit.TransportError, match="transport='ipc' needs CUDA"):
         refit.sync(trainer, in_process, refit.SyncConfig(transport="ipc"))
     assert ray.get(in_process.status.remote()) == before
+
+
+def test_two_collective_syncers_at_once_one_wins_and_the_other_fails_by_name(setup):
+    import threading
+
+    trainer, in_process, own_process = setup
+    quick = refit.SyncConfig(transport="collective", timeout_s=8)
+    outcomes: list = []
+
+    def run() -> None:
+        try:
+            outcomes.append(refit.sync(trainer, [in_process, own_process], quick).version)
+        except refit.RefitError as error:
+            outcomes.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    versions = [o for o in outcomes if isinstance(o, int)]
+    assert len(outcomes) == 2 and len(versions) >= 1, outcomes
+    assert len(set(versions)) == len(versions)  # never one version for two syncs
+    for replica in (in_process, own_process):
+        assert ray.get(replica.status.remote()).phase in (Phase.SERVING, Phase.REFUSING)
+    assert refit.sync(trainer, [in_process, own_process], COLLECTIVE).replicas[0].served_version > max(versions)
+
+
+def test_a_trainer_killed_mid_broadcast_fails_the_sync_by_name_and_a_new_group_recovers(setup, module_actors):
+    trainer, in_process, own_process = setup
+    doomed = module_actors.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=9)
+    ray.get([r.status.remote() for r in (in_process, own_process)], timeout=120)  # started: the deadline below is short
+    syncer = refit.Syncer(doomed, [in_process, own_process],
+                          refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10))
+    syncer.sync()
+    kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.EngineError, match="the trainer died or is unreachable")
+    for replica in (in_process, own_process):
+        assert ray.get(replica.status.remote(), timeout=60).phase in (Phase.SERVING, Phase.REFUSING)
+    report = refit.sync(trainer, [in_process, own_process], COLLECTIVE)
+    assert [r.served_version for r in report.replicas] == [report.version] * 2
+    assert served(in_process).token_ids == served(own_process).token_ids
+
+
+def test_a_replica_killed_mid_broadcast_fails_the_sync_within_the_deadline_and_the_others_recover(setup, module_actors):
+    trainer, in_process, own_process = setup
+    doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    ray.get([r.status.remote() for r in (in_process, own_process, doomed)], timeout=120)  # started: the deadline below is short
+    syncer = refit.Syncer(trainer, [in_process, own_process, doomed],
+                          refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10))
+    syncer.sync()
+    kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.EngineError, match="rollout 2 died or is unreachable")
+    for replica in (in_process, own_process):
+        assert ray.get(replica.status.remote(), timeout=60).phase in (Phase.SERVING, Phase.REFUSING)
+    report = refit.sync(trainer, [in_process, own_process], COLLECTIVE)
+    assert [r.served_version for r in report.replicas] == [report.version] * 2

@@ -25,7 +25,7 @@ from refit import Phase
 from tests.support.actors import parameter, rss_bytes, run_in, set_parameter
 from tests.support.checkpoints import write_fewer_layers
 
-SYNCS = int(os.environ.get("REFIT_SOAK_SYNCS", "16"))
+SYNCS = int(os.environ.get("REFIT_SOAK_SYNCS", "12"))
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=77)
 CONFIG = refit.SyncConfig(bucket_bytes=256 << 10, timeout_s=30)
 NAN_TARGET = "model.layers.0.mlp.up_proj.weight"
