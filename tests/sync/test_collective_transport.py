@@ -19,7 +19,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from refit import Phase
 from refit.transport.collective import Rendezvous, RendezvousHost
-from tests.support.actors import hold_update_lock, node_id, run_in, save
+from tests.support.actors import node_id, run_in, save
 from tests.support.checkpoints import write_fp8_block_checkpoint
 from tests.support.faults import kill_during_syncs
 
