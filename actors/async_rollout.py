@@ -38,7 +38,7 @@ from refit.engine.lifecycle import Phase, ReplicaStatus, UpdateLifecycle
 from refit.errors import ConfigError, EngineError, InvalidTensorError, ReplicaRefusingError, SyncTimeoutError
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
-from refit.provenance import KvScalePolicy, ScaleRecord
+from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
@@ -86,7 +86,12 @@ class AsyncRolloutActor:
         return self._last_update
 
     async def scale_records(self) -> list[ScaleRecord]:
+        """Where every scale came from (also while refusing)."""
         return await self.engine.scale_records()
+
+    async def scale_table(self, as_json: bool = False) -> str:
+        records = await self.scale_records()
+        return to_json(records) if as_json else format_table(records)
 
     # -- serving ----------------------------------------------------------------------
     async def generate(
@@ -118,11 +123,11 @@ class AsyncRolloutActor:
             self._admitted.notify_all()
 
     # -- transport ---------------------------------------------------------------------
-    async def join_transport(self, rendezvous: Rendezvous, rank_offset: int, sync_id: str | None = None) -> None:
+    async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
         async with self._update_lock:
             self._lifecycle.check_group_change(sync_id)
             self._group_id = None
-            await self.engine.join_group(rendezvous, rank_offset)
+            await self.engine.join_group(rendezvous, member_offset)
             self._group_id = rendezvous.group_id
 
     async def leave_transport(self) -> None:
@@ -166,12 +171,13 @@ class AsyncRolloutActor:
         await self.engine.pause(config.pause)
 
     async def load_bucket(
-        self, sync_id: str, version: int, bucket: BucketContents, next_bucket_bytes: int | None = None
+        self, sync_id: str, version: int, bucket: list[BucketContents], next_bucket_bytes: list[int | None] | None = None
     ) -> float:
+        """Load one bucket (a part per sending rank) whose bytes the workers receive over the transport."""
         async with self._update_lock:
             self._lifecycle.renew(sync_id, "load_bucket")
             _, config = self._open
-            if not isinstance(bucket, BucketContents):
+            if next_bucket_bytes is None:
                 raise ConfigError("AsyncRolloutActor receives bytes over transport='collective' or 'ipc' only")
             self._lifecycle.loading(sync_id, version)
             start = time.perf_counter()

@@ -82,15 +82,15 @@ class RolloutActor:
 
     # -- update lifecycle ("update": one thread, submission order) ------------
     @ray.method(concurrency_group="update")
-    def join_transport(self, rendezvous: Rendezvous, rank_offset: int, sync_id: str | None = None) -> None:
-        """Every worker joins a sync's collective group from `rank_offset` on (leaving any earlier group).
+    def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        """Every worker joins a sync's collective group as members from `member_offset` on (leaving any earlier group).
 
         During an update only the sync that owns it (`sync_id`) may move the workers to another group.
         """
         with self._update_lock:
             self._lifecycle.check_group_change(sync_id)
             self._group_id = None
-            self.engine.join_group(rendezvous, rank_offset)
+            self.engine.join_group(rendezvous, member_offset)
             self._group_id = rendezvous.group_id
 
     @ray.method(concurrency_group="update")
@@ -123,22 +123,21 @@ class RolloutActor:
 
     @ray.method(concurrency_group="update")
     def load_bucket(
-        self, sync_id: str, version: int, bucket: WireBucket | BucketContents | list[WireBucket | ray.ObjectRef],
-        next_bucket_bytes: int | None = None,
+        self, sync_id: str, version: int, bucket: WireBucket | list[WireBucket | ray.ObjectRef | BucketContents],
+        next_bucket_bytes: list[int | None] | None = None,
     ) -> float:
-        """Load one bucket; returns seconds spent loading.
+        """Load one bucket (one part per sending rank of a sharded trainer); returns seconds spent loading.
 
-        Through Ray's object store the bucket comes as refs (one part per
-        sending rank of a sharded trainer), fetched here; over `collective`
-        or `ipc` as its contents, while the workers receive the bytes
-        (`next_bucket_bytes`: the next bucket's size, for the workers to post
-        its receive early).
+        Through Ray's object store the parts come as refs, fetched here; over
+        `collective` or `ipc` as their contents, while the workers receive
+        the bytes (`next_bucket_bytes`: each rank's next part's size, for the
+        workers to post its receive early).
         """
         with self._update_lock:
             self._lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
             verify = config.verify is not Verify.OFF
-            if isinstance(bucket, BucketContents):
+            if next_bucket_bytes is not None:
                 self._lifecycle.loading(sync_id, version)
                 start = time.perf_counter()
                 self.engine.receive(bucket, next_bucket_bytes, version, verify=verify)

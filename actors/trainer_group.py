@@ -30,7 +30,9 @@ from refit.errors import ConfigError
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.sharding.process_group import free_port, init_trainer_group
 from refit.sharding.rank_source import RankSource
-from refit.transport.buckets import WireBucket
+from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.collective import Rendezvous
+from refit.transport.sender import TransportSender
 from refit.verification.probe import prompt_logprobs
 
 __all__ = ["TrainerGroup", "TrainerRank"]
@@ -47,6 +49,7 @@ class TrainerRank:
         self.rank, self.world_size = rank, world_size
         self._stream_seconds = 0.0
         self._peak_bytes = 0
+        self._transport = TransportSender()
 
     def rendezvous(self) -> tuple[str, int]:
         """Where the group meets: this node's address and a free port on it (asked of rank 0)."""
@@ -76,8 +79,11 @@ class TrainerRank:
     def weight_metadata(self) -> list[TensorMeta]:
         return self.source.view.metadata()
 
-    def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
-        """This rank's part of every bucket; records the stream's seconds and its peak private memory growth."""
+    def stream_buckets(self, plan: TransferPlan, transport: Rendezvous | str = "ray") -> Iterator[WireBucket | BucketContents]:
+        """This rank's part of every bucket; records the stream's seconds and its peak private memory growth.
+
+        Over `collective` this rank broadcasts its parts on its own channel of the group.
+        """
         self._stream_seconds = 0.0
         baseline = private_rss_bytes()
         self._peak_bytes = 0
@@ -85,10 +91,20 @@ class TrainerRank:
         sampler = threading.Thread(target=self._sample_rss, args=(baseline, stop), daemon=True)
         sampler.start()
         try:
-            yield from timed(self.source.stream(plan), self._add_stream_seconds)
+            yield from self._transport.send(timed(self.source.stream(plan), self._add_stream_seconds), transport)
         finally:
             stop.set()
             sampler.join()
+
+    def join_transport(self, rendezvous: Rendezvous, member: int) -> None:
+        """Join a sync's collective group as sending member `member` (this rank's channel)."""
+        self._transport.join(rendezvous, member)
+
+    def leave_transport(self) -> None:
+        self._transport.leave()
+
+    def transport_group(self) -> str | None:
+        return self._transport.group_id()
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:

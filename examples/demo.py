@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup-steps", type=int, default=60)
     parser.add_argument("--plot", default="refit-demo.png", help="where to write the per-round plot (PNG)")
+    parser.add_argument("--transport", default="ray", choices=["ray", "collective"],
+                        help="how the weights travel: Ray's object store, or a broadcast group into vLLM's workers")
     args = parser.parse_args()
 
     # refit's own lines (one per sync, and any failure) on the driver and from the actors;
@@ -41,7 +43,8 @@ def main() -> None:
     with local_cluster(nodes=3, env=quiet):
         pin = [{"num_cpus": 0, "resources": {f"node{n}": 0.01}} for n in range(3)]
         trainer, rollouts = start_actors(2, pin[0], pin[1:])
-        history = run(trainer, rollouts, rounds=args.rounds, prompts_per_round=16, group=8, warmup_steps=args.warmup_steps)
+        history = run(trainer, rollouts, rounds=args.rounds, prompts_per_round=16, group=8, warmup_steps=args.warmup_steps,
+                      transport=args.transport)
         first, last = history[0], history[-1]
         gap = max(abs(r.rollout_accuracy - r.trainer_accuracy) for r in history)
         print(f"\n{len(history)} rounds, versions v{first.version}..v{last.version}; mean reward {first.mean_reward:.3f} -> "

@@ -71,13 +71,14 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
 
 
 def run(trainer, rollouts, *, rounds: int, prompts_per_round: int, group: int, warmup_steps: int,
-        rl_lr: float = 1e-4, bucket_bytes: int = 512 << 10) -> list[Round]:
+        rl_lr: float = 1e-4, bucket_bytes: int = 512 << 10, transport: str = "ray") -> list[Round]:
     for step in range(warmup_steps):
         ray.get(trainer.train_step.remote(make_sequences(32, 24, seed=step).tolist()))
     ray.get(trainer.set_learning_rate.remote(rl_lr))
     # Every sync is verified (checksums, completeness, scales read back) and probed: each rollout's logprobs
     # on fixed prompts against the trainer's, before it serves; a breach is flagged in the report.
-    config = refit.SyncConfig(bucket_bytes=bucket_bytes, verify="probe", on_probe_breach="flag")
+    # `transport`: "ray" (the object store) or "collective" (a broadcast group straight into vLLM's workers).
+    config = refit.SyncConfig(bucket_bytes=bucket_bytes, verify="probe", on_probe_breach="flag", transport=transport)
     syncer = refit.Syncer(trainer, rollouts, config)
     held_out = make_prompts(64, PROMPT_LEN, seed=99_999)
     history = []
@@ -132,12 +133,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per round")
     parser.add_argument("--group", type=int, default=8, help="sampled completions per prompt")
     parser.add_argument("--warmup-steps", type=int, default=60)
+    parser.add_argument("--transport", default="ray", choices=["ray", "collective"], help="how the weights travel")
     args = parser.parse_args(argv)
     ray.init(address=args.address)
     try:
         trainer, rollouts = start_actors(2, {"num_cpus": 0}, [{"num_cpus": 0}] * 2)
         run(trainer, rollouts, rounds=args.rounds, prompts_per_round=args.prompts, group=args.group,
-            warmup_steps=args.warmup_steps)
+            warmup_steps=args.warmup_steps, transport=args.transport)
     finally:
         ray.shutdown()
 

@@ -83,7 +83,8 @@ def test_multinode_places_a_rollout_on_every_other_node(ray_cluster):
 
 @pytest.mark.engine
 def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
-    out = run_python(["examples/rl_loop.py", "--address", ray_cluster.address, "--rounds", "3", "--warmup-steps", "30"])
+    out = run_python(["examples/rl_loop.py", "--address", ray_cluster.address, "--rounds", "3", "--warmup-steps", "30",
+                      "--transport", "collective"])
     rounds = re.findall(r"round (\d+): v(\d+) .*mean reward ([\d.]+), greedy accuracy rollout ([\d.]+) trainer ([\d.]+)", out)
     assert len(rounds) == 3, out
     versions = [int(r[1]) for r in rounds]

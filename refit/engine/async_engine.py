@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from refit.engine.config import EngineConfig
-from refit.engine.rollout_engine import max_over_ranks, rendezvous_args, scale_records_from_rows
+from refit.engine.rollout_engine import max_over_ranks, receive_info, rendezvous_args, scale_records_from_rows
 from refit.errors import ConfigError
 from refit.orchestration.config import Pause, Transport
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
@@ -124,9 +124,9 @@ class AsyncRolloutEngine:
         await self.llm.collective_rpc("start_weight_update")
         await self.llm.collective_rpc("refit_expect_plan", args=(pickle.dumps(plan), str(transport)))
 
-    async def receive(self, contents: BucketContents, next_bucket_bytes: int | None, version: int, *, verify: bool) -> None:
-        info = {"version": version, "contents": contents.to_plain(), "next_bucket_bytes": next_bucket_bytes, "verify": verify}
-        await self.llm.collective_rpc("update_weights", args=(info,))
+    async def receive(self, contents: Sequence[BucketContents], next_bucket_bytes: Sequence[int | None], version: int, *,
+                      verify: bool) -> None:
+        await self.llm.collective_rpc("update_weights", args=(receive_info(contents, next_bucket_bytes, version, verify),))
 
     async def streamed(self) -> list[str]:
         return (await self.llm.collective_rpc("refit_streamed"))[0]
@@ -155,8 +155,8 @@ class AsyncRolloutEngine:
     async def abandon_update(self) -> None:
         await self.llm.collective_rpc("refit_abandon_update")
 
-    async def join_group(self, rendezvous: Rendezvous, rank_offset: int) -> None:
-        await self.llm.collective_rpc("refit_join_group", args=rendezvous_args(rendezvous, rank_offset))
+    async def join_group(self, rendezvous: Rendezvous, member_offset: int) -> None:
+        await self.llm.collective_rpc("refit_join_group", args=rendezvous_args(rendezvous, member_offset))
 
     async def leave_group(self) -> None:
         await self.llm.collective_rpc("refit_leave_group")

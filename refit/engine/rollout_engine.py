@@ -90,18 +90,19 @@ class RolloutEngine:
         """Load one bucket of tensors in the form vLLM's loaders take (`ray`); `verify`: read the scales back at finish."""
         self.llm.collective_rpc("update_weights", args=({"version": version, "tensors": list(tensors), "verify": verify},))
 
-    def receive(self, contents: BucketContents, next_bucket_bytes: int | None, version: int, *, verify: bool = False) -> None:
-        """Load one bucket whose bytes the workers receive over the transport; only `contents` crosses the RPC."""
-        info = {"version": version, "contents": contents.to_plain(), "next_bucket_bytes": next_bucket_bytes, "verify": verify}
-        self.llm.collective_rpc("update_weights", args=(info,))
+    def receive(self, contents: Sequence[BucketContents], next_bucket_bytes: Sequence[int | None], version: int, *,
+                verify: bool = False) -> None:
+        """Load one bucket whose bytes the workers receive over the transport (a part per sending rank); only
+        the contents cross the RPC."""
+        self.llm.collective_rpc("update_weights", args=(receive_info(contents, next_bucket_bytes, version, verify),))
 
     def streamed(self) -> list[str]:
         """Checkpoint names of every tensor the open update loaded."""
         return self.llm.collective_rpc("refit_streamed")[0]
 
-    def join_group(self, rendezvous: Rendezvous, rank_offset: int) -> None:
-        """Every worker joins the collective group at `rank_offset` + its rank; blocks until the group is whole."""
-        self.llm.collective_rpc("refit_join_group", args=rendezvous_args(rendezvous, rank_offset))
+    def join_group(self, rendezvous: Rendezvous, member_offset: int) -> None:
+        """Every worker joins the collective group as member `member_offset` + its rank; blocks until the group is whole."""
+        self.llm.collective_rpc("refit_join_group", args=rendezvous_args(rendezvous, member_offset))
 
     def leave_group(self) -> None:
         self.llm.collective_rpc("refit_leave_group")
@@ -207,10 +208,17 @@ def max_over_ranks(per_rank: list[list[tuple[str, str, float]]]) -> list[tuple[s
     return [(module, scale, value) for (module, scale), value in amax.items()]
 
 
-def rendezvous_args(rendezvous: Rendezvous, rank_offset: int) -> tuple:
+def rendezvous_args(rendezvous: Rendezvous, member_offset: int) -> tuple:
     """`refit_join_group`'s arguments as plain data (vLLM's RPC carries no refit classes)."""
-    plain = [rendezvous.host, rendezvous.port, rendezvous.group_id, list(rendezvous.members), rendezvous.timeout_s]
-    return (plain, rank_offset)
+    plain = [rendezvous.host, rendezvous.port, rendezvous.group_id, list(rendezvous.members), rendezvous.timeout_s,
+             rendezvous.senders]
+    return (plain, member_offset)
+
+
+def receive_info(contents: Sequence[BucketContents], next_bucket_bytes: Sequence[int | None], version: int, verify: bool) -> dict:
+    """The `update_weights` payload of a bucket whose bytes come over the transport: plain data only."""
+    return {"version": version, "contents": [part.to_plain() for part in contents],
+            "next_bucket_bytes": list(next_bucket_bytes), "verify": verify}
 
 
 def scale_records_from_rows(rows: list[dict]) -> list[ScaleRecord]:

@@ -65,7 +65,7 @@ from refit.provenance import (
 )
 from refit.provenance.tracker import is_attention_layer
 from refit.transport.buckets import BucketContents
-from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
+from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous, receive_parts
 from refit.transport.ipc import open_ipc_bucket, require_cuda
 
 __all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
@@ -83,8 +83,8 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     version: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     verify: bool = False  # check checksums, keep the streamed weight scales and read the engine's back at finish
-    contents: tuple | None = None  # `BucketContents.to_plain()`: the bytes come over the transport
-    next_bucket_bytes: int | None = None  # the next bucket's size, so its receive is posted before this one loads
+    contents: list | None = None  # `BucketContents.to_plain()` per sending rank: the bytes come over the transport
+    next_bucket_bytes: list | None = None  # per sending rank, the next part's size, so its receive is posted before this one loads
 
 
 class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -105,8 +105,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._expected: frozenset[str] = frozenset()
         self._reload_open = False
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
-        self._prepared = False  # the receiver's buffers are sized for `_plan`
-        self._receiver: BucketReceiver | None = None
+        self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         pass
@@ -130,31 +129,30 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         )
 
     # -- transports ---------------------------------------------------------------
-    def join_group(self, rendezvous: Rendezvous, rank: int) -> None:
-        """Join a collective group as `rank` (leaving any earlier one); blocks until every member joined."""
+    def join_group(self, rendezvous: Rendezvous, member: int) -> None:
+        """Join a collective group as `member` (leaving any earlier one); blocks until every member joined."""
         self.leave_group()
-        self._receiver = BucketReceiver(CollectiveGroup.join(rendezvous, rank))
-        self._prepared = False
+        self._receivers = [BucketReceiver(group) for group in CollectiveGroup.join(rendezvous, member)]
 
     def leave_group(self) -> None:
-        if self._receiver is not None:
-            self._receiver.group.close()
-            self._receiver = None
+        receivers, self._receivers = self._receivers, []
+        for receiver in receivers:
+            receiver.group.close()
 
     def group_id(self) -> str | None:
-        return None if self._receiver is None else self._receiver.group.rendezvous.group_id
+        return self._receivers[0].group.rendezvous.group_id if self._receivers else None
 
     def expect_plan(self, plan: TransferPlan, transport: str) -> None:
         """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`.
 
-        Called right after `start_weight_update`; the sync may join (or
-        re-join) its collective group after this, so buffers are sized at
-        the first bucket.
+        Called right after `start_weight_update`; the sync joins (or
+        re-joins) its collective group after this.
         """
         if transport == "ipc":
             require_cuda("this vLLM worker")
+        for receiver in self._receivers:
+            receiver.clear()
         self._plan = plan
-        self._prepared = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -181,21 +179,18 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         """The bucket whose contents the update names, received over the transport, as loadable tensors."""
         if self._plan is None:
             raise LifecycleError("a bucket's contents arrived, but this update was not told its plan (expect_plan)")
-        contents = BucketContents.from_plain(update_info.contents)
-        if contents.ipc_handle is not None:
-            bucket = open_ipc_bucket(contents, self.device)
-        elif self._receiver is None:
+        parts = [BucketContents.from_plain(plain) for plain in update_info.contents]  # one per sending rank
+        if all(part.ipc_handle is not None for part in parts):
+            bucket = [open_ipc_bucket(part, self.device) for part in parts]
+        elif not self._receivers:
             raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")
         else:
-            if not self._prepared:
-                self._receiver.prepare(self._plan.max_packed_bytes())
-                self._prepared = True
-            bucket = self._receiver.receive(contents, update_info.next_bucket_bytes)
+            bucket = receive_parts(self._receivers, parts, list(update_info.next_bucket_bytes))
         tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify)
         # The reload holds on to tensors of a layer it has not completed (and to
         # attention scales until finish), but this buffer takes the bucket after
         # next: copy those out of it.
-        later = self._plan.layers_after(contents.index)
+        later = self._plan.layers_after(parts[0].index)
         return [(name, tensor.clone() if layer_key(name) in later or name.rpartition(".")[2] in ATTENTION_SCALES else tensor)
                 for name, tensor in tensors]
 

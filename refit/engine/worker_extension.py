@@ -32,10 +32,10 @@ class RefitWorkerExtension:
         self._refit().abandon()
         self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
 
-    def refit_join_group(self, rendezvous: list, rank_offset: int) -> None:
-        """Join the sync's collective group at `rank_offset` + this worker's rank in its engine."""
-        host, port, group_id, members, timeout_s = rendezvous
-        self._refit().join_group(Rendezvous(host, port, group_id, tuple(members), timeout_s), rank_offset + self.rank)
+    def refit_join_group(self, rendezvous: list, member_offset: int) -> None:
+        """Join the sync's collective group as member `member_offset` + this worker's rank in its engine."""
+        host, port, group_id, members, timeout_s, senders = rendezvous
+        self._refit().join_group(Rendezvous(host, port, group_id, tuple(members), timeout_s, senders), member_offset + self.rank)
 
     def refit_leave_group(self) -> None:
         self._refit().leave_group()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit.errors import SyncTimeoutError
+from refit.errors import SyncTimeoutError, TransportError
 
 __all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "remote_error", "submit_all", "summary", "wait_all"]
 
@@ -66,8 +66,12 @@ def call_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any, timeou
 
 
 def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:
-    """The values, or the first error with every other outcome attached as a note."""
-    failed = [o for o in outcomes if not o.ok]
+    """The values, or the first error with every other outcome attached as a note.
+
+    A `TransportError` comes last: a broken collective group is usually the
+    echo of another member's failure (a replica that died), which names the cause.
+    """
+    failed = sorted((o for o in outcomes if not o.ok), key=lambda o: isinstance(o.error, TransportError))
     if failed:
         error = failed[0].error
         for other in failed[1:]:

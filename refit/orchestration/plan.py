@@ -29,7 +29,6 @@ from refit.orchestration.config import QuantizeOn, SyncConfig
 from refit.orchestration.expected_weights import ExpectedWeight, expected_weights, may_stream
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
-from refit.transport.buckets import packed_bytes_bound
 
 __all__ = ["PlannedTensor", "RolloutModelInfo", "TensorMeta", "TransferPlan", "make_plan", "module_classes"]
 
@@ -111,12 +110,6 @@ class PlannedTensor:
     def wire_bytes(self, quantize_on: QuantizeOn) -> int:
         return self.quantized_bytes if quantize_on is QuantizeOn.TRAINER else self.source_bytes
 
-    def wire_parts(self, quantize_on: QuantizeOn) -> list[int]:
-        """Bytes of each tensor it travels as: FP8 codes and block scales, or itself."""
-        if self.block is None or quantize_on is not QuantizeOn.TRAINER:
-            return [self.source_bytes]
-        return [math.prod(self.shape), self.quantized_bytes - math.prod(self.shape)]
-
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
@@ -131,10 +124,6 @@ class TransferPlan:
     def wire_bytes(self) -> int:
         """Bytes each replica fetches per sync."""
         return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)
-
-    def max_packed_bytes(self) -> int:
-        """The size of the largest packed bucket (an upper bound): what a receiving buffer must hold."""
-        return max(packed_bytes_bound(n for t in bucket for n in t.wire_parts(self.quantize_on)) for bucket in self.buckets)
 
     def layers_after(self, index: int) -> set[str]:
         """The layers (`layer_key`) that still receive tensors after bucket `index`.

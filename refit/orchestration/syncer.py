@@ -49,6 +49,7 @@ from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan,
 from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 from refit.transport.collective import Rendezvous, RendezvousHost
+from refit.transport.ipc import IpcTransport
 from refit.verification.probe import ProbeRequest, probe_prompts
 
 __all__ = ["Syncer", "sync"]
@@ -93,17 +94,13 @@ class Syncer:
 
     def _transport_problems(self) -> list[str]:
         transport = self.config.transport
-        if transport is Transport.RAY:
+        if transport is not Transport.COLLECTIVE:
             return []
-        if self._sources[0][0] != "the trainer":
-            return [f"transport={str(transport)!r} sends from one trainer process; a sharded trainer's ranks each send "
-                    "a part, which only transport='ray' carries so far"]
-        needs = ("join_transport", "leave_transport", "transport_group") if transport is Transport.COLLECTIVE else ()
-        problems = [f"the trainer lacks {m}(), which transport={str(transport)!r} needs"
-                    for m in needs if not has_method(self.trainer, m)]
-        replica_needs = needs + ("transport_ranks",) if needs else ()
-        problems += [f"rollout {i} lacks {m}(), which transport={str(transport)!r} needs"
-                     for i, r in enumerate(self.rollouts) for m in replica_needs if not has_method(r, m)]
+        needs = ("join_transport", "leave_transport", "transport_group")
+        problems = [f"{who} lacks {m}(), which transport='collective' needs"
+                    for who, source in self._sources for m in needs if not has_method(source, m)]
+        problems += [f"rollout {i} lacks {m}(), which transport='collective' needs"
+                     for i, r in enumerate(self.rollouts) for m in (*needs, "transport_ranks") if not has_method(r, m)]
         return problems
 
     def plan(self) -> TransferPlan:
@@ -175,7 +172,7 @@ class Syncer:
         record_sync(report, verified=self.config.verify is not Verify.OFF)
         return report
 
-    def _stream(self, plan: TransferPlan, sync_id: str, version: int, transport: Rendezvous | str) -> list[float]:
+    def _stream(self, plan: TransferPlan, sync_id: str, version: int, transport: Rendezvous | IpcTransport | str) -> list[float]:
         """Hand each bucket to every replica as it is produced; bounded in flight, every wait bounded.
 
         Over `collective` and `ipc` the driver reads each bucket's contents
@@ -202,16 +199,17 @@ class Syncer:
         streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport) for _, source in self._sources]
         progress = _progress_bar(self.config.progress, len(plan.buckets), version)
         try:
-            upcoming = streams[0].next(timeout, fetch=True) if by_contents else None
+            upcoming = [stream.next(timeout, fetch=True) for stream in streams] if by_contents else []
             for index in range(len(plan.buckets)):
-                if by_contents:  # one sending rank: this bucket's contents, and the size of the one after
-                    parts, upcoming = [upcoming], streams[0].next(timeout, fetch=True) if index + 1 < len(plan.buckets) else None
+                if by_contents:  # each rank's contents of this bucket, and of the one after
+                    parts = upcoming
+                    upcoming = [stream.next(timeout, fetch=True) for stream in streams] if index + 1 < len(plan.buckets) else []
                 else:
                     parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
                 if any(part is None for part in parts):
                     raise ended_early(parts)
                 if by_contents:
-                    args = (parts[0], None if upcoming is None else upcoming.nbytes)
+                    args = (parts, [None if part is None else part.nbytes for part in upcoming or [None] * len(parts)])
                 else:
                     args = (parts[0] if len(parts) == 1 else [ref for part in parts for ref in _as_list(part)],)
                 in_flight.append(submit_all(self._replicas, "load_bucket", sync_id, version, *args))
@@ -229,16 +227,19 @@ class Syncer:
         return seconds
 
     # -- the collective group ---------------------------------------------------
-    def _connect(self, sync_id: str) -> Rendezvous | str:
-        """What the trainer's stream is told to send over: "ray", "ipc", or the collective group's rendezvous.
+    def _connect(self, sync_id: str) -> Rendezvous | IpcTransport | str:
+        """What the trainer's stream is told to send over: "ray", an `IpcTransport`, or the collective group's rendezvous.
 
-        The group (the trainer at rank 0, then every worker of every replica)
-        is made on the first collective sync and kept; it is made again when
+        The group (the sending trainer ranks, then every worker of every
+        replica; a channel per sending rank) is made on the first collective
+        sync and kept; it is made again when
         a member is no longer in it (a replica restarted, or joined another
         Syncer's group) or after a failed sync.
         """
-        if self.config.transport is not Transport.COLLECTIVE:
-            return str(self.config.transport)
+        if self.config.transport is Transport.IPC:
+            return IpcTransport.for_buckets_in_flight(self.config.max_buckets_in_flight)
+        if self.config.transport is Transport.RAY:
+            return "ray"
         timeout = self.config.timeout_s
         members = self._sources + self._replicas
         if self._group is not None:
@@ -248,11 +249,14 @@ class Syncer:
             log.info("a member left collective group %s: making a new one", self._group.rendezvous.group_id)
             self._disconnect()
         ranks = raise_first_error(call_all(self._replicas, "transport_ranks", timeout_s=timeout))
-        names = ["the trainer"] + [f"{who} worker {w}" for (who, _), n in zip(self._replicas, ranks) for w in range(n)]
-        self._group = RendezvousHost(names, timeout)
+        senders = [who for who, _ in self._sources]
+        names = senders + [f"{who} worker {w}" for (who, _), n in zip(self._replicas, ranks) for w in range(n)]
+        self._group = RendezvousHost(names, timeout, senders=len(senders))
         rendezvous = self._group.rendezvous
-        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
-        pending = submit_all(self._sources, "join_transport", rendezvous, 0)
+        offsets = [len(senders) + sum(ranks[:i]) for i in range(len(ranks))]
+        pending = []
+        for member, source in enumerate(self._sources):
+            pending += submit_all([source], "join_transport", rendezvous, member)
         for replica, offset in zip(self._replicas, offsets):
             pending += submit_all([replica], "join_transport", rendezvous, offset, sync_id)
         # Members give up on a missing one at the deadline and name it: wait a little longer for that answer.

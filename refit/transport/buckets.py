@@ -20,7 +20,7 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.checksums import crc32
 
-__all__ = ["BucketContents", "WireBucket", "WireTensor", "pack_bucket", "packed_bytes_bound"]
+__all__ = ["BucketContents", "WireBucket", "WireTensor", "pack_bucket"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -125,11 +125,6 @@ def pack_bucket(
         packed.copy_(tensor.contiguous().view(-1).view(torch.uint8))
         table[i] = dataclasses.replace(entry, crc32=crc32(packed))
     return WireBucket(index, tuple(table), buffer)
-
-
-def packed_bytes_bound(tensor_bytes: Iterable[int]) -> int:
-    """At most how many bytes `pack_bucket` uses for tensors of these sizes (each padded to the alignment)."""
-    return sum(-(-n // _ALIGN) * _ALIGN for n in tensor_bytes)
 
 
 def _as_tensor(buffer: np.ndarray | torch.Tensor) -> torch.Tensor:

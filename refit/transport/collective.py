@@ -3,10 +3,14 @@
 Why: through Ray's object store every byte is copied into host memory, read
 by the rollout actor, and handed to the workers as RPC arguments, which also
 pins vLLM's engine core inside the rollout actor's process. Here the sending
-trainer rank and every worker of every replica form one group; a bucket is
+trainer rank and every worker of every replica form a group; a bucket is
 one broadcast, and only its table of contents (`BucketContents`) crosses
 Ray and vLLM's RPC. So it works with the engine core in its own process and
 with tensor-parallel workers, like vLLM's own NCCL weight-transfer backend.
+
+A sharded trainer has several sending ranks, each with its part of every
+bucket: each gets a channel of its own (itself and every worker), so the
+parts travel side by side and no rank receives another's bytes.
 
 The group is stateless: its own TCPStore rendezvous (hosted by the driver
 for the group's life) and a prefix of its own, never torch's default group,
@@ -38,19 +42,20 @@ from refit.errors import SyncTimeoutError, TransportError
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.devices import backend_for_this_machine
 
-__all__ = ["BucketReceiver", "BucketSender", "CollectiveGroup", "Rendezvous", "RendezvousHost"]
+__all__ = ["BucketReceiver", "BucketSender", "CollectiveGroup", "Rendezvous", "RendezvousHost", "receive_parts"]
 
 log = logging.getLogger("refit.transport")
 
-_SENDER = 0  # the trainer's rank in every group; workers follow
+_SENDER = 0  # the sending rank's rank in its channel; workers follow
 
 
 @dataclass(frozen=True, slots=True)
 class Rendezvous:
     """Where and how a collective group meets; plain data, sent to every member.
 
-    `members` names each rank (rank = position), so an error can say who is
-    missing: rank 0 is the sending trainer, then each replica's workers.
+    `members` names each member (its index is its member number), so an
+    error can say who is missing: the first `senders` are the sending
+    trainer ranks, then each replica's workers.
     """
 
     host: str
@@ -58,6 +63,7 @@ class Rendezvous:
     group_id: str
     members: tuple[str, ...]
     timeout_s: float
+    senders: int = 1
 
     @property
     def world_size(self) -> int:
@@ -67,51 +73,56 @@ class Rendezvous:
 class RendezvousHost:
     """The TCPStore a group meets at, held by the driver for the group's life."""
 
-    def __init__(self, members: Iterable[str], timeout_s: float) -> None:
+    def __init__(self, members: Iterable[str], timeout_s: float, *, senders: int = 1) -> None:
         host = _this_host()
         self._store = torch.distributed.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        self.rendezvous = Rendezvous(host, self._store.port, uuid.uuid4().hex[:12], tuple(members), float(timeout_s))
+        self.rendezvous = Rendezvous(host, self._store.port, uuid.uuid4().hex[:12], tuple(members), float(timeout_s), senders)
 
     def close(self) -> None:
         self._store = None
 
 
 class CollectiveGroup:
-    """One member's handle on a broadcast group (see the module docstring)."""
+    """One member's handle on one channel of a group: a sender and every worker (see the module docstring)."""
 
-    def __init__(self, rendezvous: Rendezvous, rank: int, backend: torch.distributed.ProcessGroup, store) -> None:
+    def __init__(self, rendezvous: Rendezvous, member: int, channel: int, backend: torch.distributed.ProcessGroup, store) -> None:
         self.rendezvous = rendezvous
-        self.rank = rank
+        self.member = member
+        self.channel = channel
+        self.rank = _channel_rank(rendezvous, member)
         self.device = torch.device(backend_for_this_machine()[1], torch.cuda.current_device() if torch.cuda.is_available() else None)
         self._backend = backend
         self._store = store  # the client connection must outlive the backend's set-up
 
     @classmethod
-    def join(cls, rendezvous: Rendezvous, rank: int) -> CollectiveGroup:
-        """Join as `rank`; blocks until every member has joined, or raises naming who did not."""
-        if not 0 <= rank < rendezvous.world_size:
-            raise TransportError(f"rank {rank} is outside group {rendezvous.group_id} of {rendezvous.world_size} members")
+    def join(cls, rendezvous: Rendezvous, member: int) -> list[CollectiveGroup]:
+        """Join as `member`: a sender its own channel, a worker every sender's channel, in channel order.
+
+        Blocks until every member has joined, or raises naming who did not.
+        """
+        if not 0 <= member < rendezvous.world_size:
+            raise TransportError(f"member {member} is outside group {rendezvous.group_id} of {rendezvous.world_size} members")
         deadline = time.monotonic() + rendezvous.timeout_s
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         _reach(rendezvous, deadline)
         store = torch.distributed.TCPStore(rendezvous.host, rendezvous.port, is_master=False, timeout=timeout)
         members = torch.distributed.PrefixStore(f"refit/{rendezvous.group_id}/", store)
-        members.set(f"joined/{rank}", rendezvous.members[rank])
+        members.set(f"joined/{member}", rendezvous.members[member])
         _wait_for_members(members, rendezvous, deadline)
-        backend_name, _ = backend_for_this_machine()
-        if backend_name == "nccl":
-            options = torch.distributed.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            backend = torch.distributed.ProcessGroupNCCL(members, rank, rendezvous.world_size, options)
-        else:
-            backend = torch.distributed.ProcessGroupGloo(members, rank, rendezvous.world_size, timeout)
-        log.debug("%s joined group %s as rank %d of %d", rendezvous.members[rank], rendezvous.group_id, rank, rendezvous.world_size)
-        return cls(rendezvous, rank, backend, store)
+        channels = [member] if member < rendezvous.senders else range(rendezvous.senders)
+        size = 1 + rendezvous.world_size - rendezvous.senders
+        rank = _channel_rank(rendezvous, member)
+        groups = []
+        for channel in channels:  # every worker joins them in the same order: no two wait on each other
+            backend = _backend(torch.distributed.PrefixStore(f"{channel}/", members), rank, size, timeout)
+            groups.append(cls(rendezvous, member, channel, backend, store))
+        log.debug("%s joined group %s (%d channel(s))", rendezvous.members[member], rendezvous.group_id, len(groups))
+        return groups
 
     def broadcast(self, tensor: torch.Tensor) -> torch.distributed.Work:
-        """Start broadcasting `tensor` from the sender into every member's `tensor`; returns the pending work."""
+        """Start broadcasting `tensor` from the channel's sender into every member's `tensor`; returns the pending work."""
         options = torch.distributed.BroadcastOptions()
         options.rootRank = _SENDER
         options.timeout = datetime.timedelta(seconds=self.rendezvous.timeout_s)
@@ -124,12 +135,12 @@ class CollectiveGroup:
         except RuntimeError as error:
             raise TransportError(
                 f"{what} over collective group {self.rendezvous.group_id} failed for "
-                f"{self.rendezvous.members[self.rank]}: {str(error).splitlines()[0]}; a member died, left, "
+                f"{self.rendezvous.members[self.member]}: {str(error).splitlines()[0]}; a member died, left, "
                 f"or stopped within {self.rendezvous.timeout_s:.0f} s (SyncConfig.timeout_s)"
             ) from None
 
     def close(self) -> None:
-        """Leave the group; pending broadcasts fail on the other members within their deadline."""
+        """Leave the channel; pending broadcasts fail on the other members within their deadline."""
         backend, self._backend = self._backend, None
         if backend is not None:
             try:
@@ -140,11 +151,11 @@ class CollectiveGroup:
 
 
 class BucketSender:
-    """The trainer's end: yields each bucket's contents, broadcasts its bytes (see the module docstring)."""
+    """A sending rank's end: yields each bucket's contents, broadcasts its bytes (see the module docstring)."""
 
     def __init__(self, group: CollectiveGroup) -> None:
         if group.rank != _SENDER:
-            raise TransportError(f"only rank {_SENDER} of a collective group sends; this member is rank {group.rank}")
+            raise TransportError(f"only the sender of a channel sends; {group.rendezvous.members[group.member]} is a worker")
         self.group = group
 
     def send(self, buckets: Iterable[WireBucket]) -> Iterator[BucketContents]:
@@ -154,8 +165,10 @@ class BucketSender:
                 yield bucket.contents()
                 if pending is not None:
                     self.group.wait(pending[0], f"sending bucket {pending[2]}")
-                data = _as_uint8(bucket.buffer).to(self.group.device)
-                pending = (self.group.broadcast(data), data, bucket.index)
+                    pending = None
+                if bucket.nbytes:  # a rank may hold nothing of a bucket: then nobody posts a receive
+                    data = _as_uint8(bucket.buffer).to(self.group.device)
+                    pending = (self.group.broadcast(data), data, bucket.index)
             if pending is not None:
                 self.group.wait(pending[0], f"sending bucket {pending[2]}")
         finally:
@@ -163,44 +176,75 @@ class BucketSender:
 
 
 class BucketReceiver:
-    """A worker's end: two preallocated buffers; bucket i+1 arrives in one while bucket i loads from the other."""
+    """A worker's end of one channel: two buffers, reused; bucket i+1 arrives in one while bucket i loads from the other.
+
+    Each buffer is allocated at the first bucket it must hold and grows only
+    for a larger one, so a worker holds two of its largest parts per channel
+    across buckets and syncs.
+    """
 
     def __init__(self, group: CollectiveGroup) -> None:
         self.group = group
-        self._buffers: list[torch.Tensor] = []
-        self._pending: dict[int, tuple[torch.distributed.Work, torch.Tensor]] = {}
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._pending: dict[int, tuple[torch.distributed.Work | None, torch.Tensor]] = {}
 
-    def prepare(self, max_bucket_bytes: int) -> None:
-        """Hold two buffers of at least `max_bucket_bytes` (kept across syncs while large enough)."""
-        self._pending.clear()
-        if not self._buffers or self._buffers[0].numel() < max_bucket_bytes:
-            self._buffers = [torch.empty(max_bucket_bytes, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
+    def post(self, index: int, nbytes: int) -> None:
+        """Start receiving bucket `index` (`nbytes` long) into its buffer, unless already posted."""
+        if index in self._pending:
+            return
+        slot = index % 2
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:  # this slot's last bucket was loaded: free to replace
+            buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        view = buffer[:nbytes]
+        self._pending[index] = (self.group.broadcast(view) if nbytes else None, view)
 
-    def receive(self, contents: BucketContents, next_bucket_bytes: int | None) -> WireBucket:
-        """Bucket `contents.index`, whole; posts the receive of the next bucket first, so it lands while this one loads.
+    def take(self, contents: BucketContents) -> WireBucket:
+        """Bucket `contents.index`, whole, once it has arrived (posted earlier, or now).
 
-        The returned bucket's bytes live in a reused buffer until the bucket
-        after next: copy whatever must outlive that.
+        Its bytes live in a reused buffer until the bucket after next: copy
+        whatever must outlive that.
         """
-        index = contents.index
-        if index not in self._pending:
-            self._post(index, contents.nbytes)
-        work, view = self._pending.pop(index)
-        if next_bucket_bytes is not None and index + 1 not in self._pending:
-            self._post(index + 1, next_bucket_bytes)
-        self.group.wait(work, f"receiving bucket {index}")
+        self.post(contents.index, contents.nbytes)
+        work, view = self._pending.pop(contents.index)
+        if work is not None:
+            self.group.wait(work, f"receiving bucket {contents.index}")
         if view.numel() != contents.nbytes:
-            raise TransportError(f"bucket {index} was posted for {view.numel()} bytes but its contents say {contents.nbytes}")
+            raise TransportError(
+                f"bucket {contents.index} was posted for {view.numel()} bytes but its contents say {contents.nbytes}; "
+                "the driver and the trainer disagree on the stream"
+            )
         return contents.with_bytes(view)
 
-    def _post(self, index: int, nbytes: int) -> None:
-        if not self._buffers or nbytes > self._buffers[0].numel():
-            raise TransportError(
-                f"bucket {index} has {nbytes} bytes, more than the {self._buffers[0].numel() if self._buffers else 0} "
-                "prepared for this sync's plan; the trainer packs differently from its plan"
-            )
-        view = self._buffers[index % 2][:nbytes]
-        self._pending[index] = (self.group.broadcast(view), view)
+    def clear(self) -> None:
+        """Forget receives of an update that ended (their broadcasts failed with it)."""
+        self._pending.clear()
+
+
+def receive_parts(
+    receivers: list[BucketReceiver], contents: list[BucketContents], next_bytes: list[int | None]
+) -> list[WireBucket]:
+    """One bucket's part from every channel, each channel's next part posted first (so it lands while this one loads)."""
+    if len(receivers) != len(contents) or len(contents) != len(next_bytes):
+        raise TransportError(f"{len(contents)} part(s) announced for {len(receivers)} channel(s) of this worker's group")
+    for receiver, part, upcoming in zip(receivers, contents, next_bytes):
+        receiver.post(part.index, part.nbytes)
+        if upcoming is not None:
+            receiver.post(part.index + 1, upcoming)
+    return [receiver.take(part) for receiver, part in zip(receivers, contents)]
+
+
+def _channel_rank(rendezvous: Rendezvous, member: int) -> int:
+    """A member's rank in its channels: the sender is 0, workers follow in member order."""
+    return _SENDER if member < rendezvous.senders else 1 + member - rendezvous.senders
+
+
+def _backend(store, rank: int, size: int, timeout: datetime.timedelta):
+    if backend_for_this_machine()[0] == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def _as_uint8(buffer) -> torch.Tensor:

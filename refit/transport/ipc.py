@@ -18,13 +18,30 @@ from __future__ import annotations
 import collections
 import pickle
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from refit.errors import TransportError
 from refit.transport.buckets import BucketContents, WireBucket
 
-__all__ = ["IpcSender", "open_ipc_bucket", "require_cuda"]
+__all__ = ["IpcSender", "IpcTransport", "open_ipc_bucket", "require_cuda"]
+
+
+@dataclass(frozen=True, slots=True)
+class IpcTransport:
+    """What a trainer's stream is told for `transport="ipc"`: how many buckets' GPU memory to keep alive.
+
+    The trainer runs at most `max_buckets_in_flight` buckets ahead of the
+    driver, which holds as many loads in flight and reads one bucket ahead:
+    a bucket must outlive that many newer ones.
+    """
+
+    keep: int
+
+    @classmethod
+    def for_buckets_in_flight(cls, max_buckets_in_flight: int) -> IpcTransport:
+        return cls(keep=2 * max_buckets_in_flight + 2)
 
 
 def require_cuda(who: str) -> None:

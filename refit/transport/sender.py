@@ -14,23 +14,21 @@ from collections.abc import Iterable, Iterator
 from refit.errors import TransportError
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketSender, CollectiveGroup, Rendezvous
-from refit.transport.ipc import IpcSender
+from refit.transport.ipc import IpcSender, IpcTransport
 
 __all__ = ["TransportSender"]
-
-# Buckets whose GPU memory an ipc sender keeps alive: the Syncer's default
-# bound on buckets in flight plus the one being loaded and the next.
-_IPC_KEEP = 4
 
 
 class TransportSender:
     def __init__(self) -> None:
         self._group: CollectiveGroup | None = None
 
-    def join(self, rendezvous: Rendezvous, rank: int) -> None:
-        """Join a collective group (leaving any earlier one); blocks until every member has joined."""
+    def join(self, rendezvous: Rendezvous, member: int) -> None:
+        """Join a collective group as sending `member` (leaving any earlier group); blocks until every member has joined."""
+        if member >= rendezvous.senders:
+            raise TransportError(f"member {member} of group {rendezvous.group_id} is a worker; a trainer joins as a sender")
         self.leave()
-        self._group = CollectiveGroup.join(rendezvous, rank)
+        (self._group,) = CollectiveGroup.join(rendezvous, member)
 
     def leave(self) -> None:
         group, self._group = self._group, None
@@ -40,14 +38,16 @@ class TransportSender:
     def group_id(self) -> str | None:
         return None if self._group is None else self._group.rendezvous.group_id
 
-    def send(self, buckets: Iterable[WireBucket], transport: Rendezvous | str) -> Iterable[WireBucket] | Iterator[BucketContents]:
+    def send(
+        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str
+    ) -> Iterable[WireBucket] | Iterator[BucketContents]:
         """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way."""
         if transport == "ray":
             return buckets
-        if transport == "ipc":
-            return IpcSender(keep=_IPC_KEEP).send(buckets)
+        if isinstance(transport, IpcTransport):
+            return IpcSender(keep=transport.keep).send(buckets)
         if not isinstance(transport, Rendezvous):
-            raise TransportError(f"transport={transport!r}: expected 'ray', 'ipc' or a collective group's Rendezvous")
+            raise TransportError(f"transport={transport!r}: expected 'ray', an IpcTransport or a collective group's Rendezvous")
         if self.group_id() != transport.group_id:
             raise TransportError(
                 f"asked to send over collective group {transport.group_id}, but this trainer is in "

@@ -127,8 +127,9 @@ def test_a_transport_the_actors_cannot_use_is_refused_before_anything_runs():
     class Sharded:
         ranks = [trainer, trainer]
 
-    with pytest.raises(ConfigError, match="a sharded trainer's ranks each send a part, which only transport='ray' carries"):
+    with pytest.raises(ConfigError, match=r"trainer rank 1 lacks join_transport\(\)") as error:
         Syncer(Sharded(), replicas, SyncConfig(transport="collective"))
+    assert "rollout 1 lacks transport_ranks()" in str(error.value)  # every problem, reported together
 
 
 def test_mixing_transports_within_one_syncer_is_refused():

@@ -145,3 +145,20 @@ def test_the_ray_transport_is_refused_before_requests_are_held(setup):
     with pytest.raises(refit.ConfigError, match=r"AsyncLLM's engine core .*\(transport='collective'\)"):
         refit.sync(trainer, rollout)
     assert ray.get(rollout.status.remote()) == before and before.phase is Phase.SERVING
+
+
+def test_the_post_refit_stage_and_the_probe_run_while_requests_are_held(setup):
+    """Recomputed KV scales and the logprob probe generate on the new weights before any user request does."""
+    from refit import ScaleSource
+
+    trainer, rollout = setup
+    config = refit.SyncConfig(transport="collective", verify="probe", kv_scales="recompute",
+                              calibration_prompts=PROMPTS[:4], timeout_s=60)
+    load = Load(rollout)
+    report = refit.sync(trainer, rollout, config)
+    load.stop()
+    assert load.failed == [] and not report.probe_breached
+    assert "probe passed" in report.replicas[0].verification, report.replicas[0].verification
+    calibrated = [r for r in ray.get(rollout.scale_records.remote())
+                  if r.source is ScaleSource.CALIBRATED and r.version == report.version]
+    assert {r.scale for r in calibrated} == {"q_scale", "k_scale", "v_scale"} and len(calibrated) == 6

@@ -1,4 +1,5 @@
-"""A sharded trainer: a 2-rank FSDP2 group (gloo, ranks on two nodes) synced into FP8_BLOCK rollouts.
+"""A sharded trainer: a 2-rank FSDP2 group (gloo, ranks on two nodes) synced into FP8_BLOCK rollouts,
+through the object store and over the collective transport.
 
 The reference for every sync is a sync of the same weights from a
 single-process trainer (the group's weights saved and loaded into a
@@ -56,6 +57,14 @@ def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(actor
             trainer_accuracy = accuracy(PROMPTS, group.generate(PROMPTS, NEW_TOKENS))
             accuracies.append((trainer_accuracy, rollout_accuracy))
             ray.kill(single)
+
+        # Over the collective transport each rank broadcasts its parts on a channel of its own: the same model.
+        report = refit.sync(group, replicas, refit.SyncConfig(transport="collective", bucket_bytes=256 << 10))
+        assert report.version == 3 and report.buckets > 2
+        for replica in replicas:
+            got = serve(replica)
+            assert got.token_ids == expected.token_ids
+            assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
 
         # Training moves the policy, and the FP8 rollouts follow it (FP8 rounding flips a few greedy tokens).
         assert accuracies[-1][0] > accuracies[0][0] + 0.3, accuracies

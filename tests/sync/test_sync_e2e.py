@@ -49,7 +49,7 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
 
 
 def test_tensor_parallel_engine_with_worker_processes(actors_factory):
-    """TP=2: each worker is its own process, reached through the worker extension."""
+    """TP=2: each worker is its own process, reached through the worker extension (ray and collective transports)."""
     trainer = changed_trainer(actors_factory, tied=True)
     rollout = actors_factory.rollout(
         model_dir(True, "bf16"), load_format="dummy", tensor_parallel_size=2,
@@ -57,6 +57,12 @@ def test_tensor_parallel_engine_with_worker_processes(actors_factory):
     )
     report = refit.sync(trainer, rollout)
     assert report.replicas[0].served_version == 1
-    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(
-        trainer.generate.remote(PROMPTS, NEW_TOKENS)
-    )
+    expected = ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
+    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected
+
+    # Over the collective transport both workers join the group and receive every bucket themselves.
+    ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=9).tolist()))
+    report = refit.sync(trainer, rollout, refit.SyncConfig(transport="collective", bucket_bytes=128 << 10))
+    assert report.replicas[0].served_version == 2 and report.buckets > 2
+    expected = ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
+    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected

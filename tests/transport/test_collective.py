@@ -1,8 +1,10 @@
 """The collective transport on its own: a real gloo group, members as threads of this process.
 
 Pins: bytes arrive intact with the next bucket posted early (double
-buffering), a member that never joins or a rendezvous nobody hosts fails
-within the deadline naming it, and a member leaving fails the others' waits.
+buffering), from one sender or from several (a sharded trainer, a channel
+each, parts of some buckets empty); a member that never joins or a
+rendezvous nobody hosts fails within the deadline naming it; a member
+leaving fails the others' waits.
 """
 
 from __future__ import annotations
@@ -16,51 +18,61 @@ import torch
 
 from refit.errors import SyncTimeoutError, TransportError
 from refit.transport.buckets import pack_bucket
-from refit.transport.collective import BucketReceiver, BucketSender, CollectiveGroup, Rendezvous, RendezvousHost
+from refit.transport.collective import BucketReceiver, BucketSender, CollectiveGroup, Rendezvous, RendezvousHost, receive_parts
 
 
-def _buckets(seed: int, count: int):
+def _buckets(seed: int, count: int, *, empty: set[int] = frozenset()):
     generator = torch.Generator().manual_seed(seed)
     return [
-        pack_bucket(i, [(f"model.layers.{i}.w", torch.randn(17 + i, 33, generator=generator).to(torch.bfloat16)),
-                        (f"model.layers.{i}.b", torch.randn(5 + 3 * i, generator=generator))])
+        pack_bucket(i, [] if i in empty else [
+            (f"model.layers.{i}.w", torch.randn(17 + i, 33, generator=generator).to(torch.bfloat16)),
+            (f"model.layers.{i}.b", torch.randn(5 + 3 * i, generator=generator)),
+        ])
         for i in range(count)
     ]
 
 
-def _join_all(host: RendezvousHost, ranks):
-    with ThreadPoolExecutor(len(ranks)) as pool:
-        return list(pool.map(lambda rank: CollectiveGroup.join(host.rendezvous, rank), ranks))
+def _join_all(host: RendezvousHost, members):
+    with ThreadPoolExecutor(len(members)) as pool:
+        return list(pool.map(lambda member: CollectiveGroup.join(host.rendezvous, member), members))
 
 
-def test_buckets_arrive_intact_with_the_next_one_posted_early():
-    host = RendezvousHost(["trainer", "rollout 0 worker 0", "rollout 1 worker 0"], timeout_s=20)
-    sender_group, *worker_groups = _join_all(host, range(3))
-    buckets = _buckets(0, 5)
-    received: dict[int, list] = {1: [], 2: []}
+@pytest.mark.parametrize("senders", [1, 2])
+def test_parts_arrive_intact_with_the_next_one_posted_early(senders):
+    names = [f"trainer rank {r}" for r in range(senders)] + ["rollout 0 worker 0", "rollout 1 worker 0"]
+    host = RendezvousHost(names, timeout_s=20, senders=senders)
+    joined = _join_all(host, range(len(names)))
+    assert [len(groups) for groups in joined] == [1] * senders + [senders, senders]
+    streams = [_buckets(rank, 5, empty={rank + 1}) for rank in range(senders)]  # each rank holds nothing of one bucket
+    received: dict[int, list] = {}
 
-    def worker(group: CollectiveGroup) -> None:
-        receiver = BucketReceiver(group)
-        receiver.prepare(max(b.nbytes for b in buckets))
-        for i, bucket in enumerate(buckets):
-            nxt = buckets[i + 1].nbytes if i + 1 < len(buckets) else None
-            got = receiver.receive(bucket.contents(), nxt)
-            received[group.rank].append([(n, t.clone()) for n, t in got.unpack()])
+    def worker(groups: list[CollectiveGroup]) -> None:
+        receivers = [BucketReceiver(group) for group in groups]
+        received[groups[0].member] = []
+        for i in range(5):
+            nxt = [stream[i + 1].nbytes if i + 1 < 5 else None for stream in streams]
+            parts = receive_parts(receivers, [stream[i].contents() for stream in streams], nxt)
+            received[groups[0].member].append([[(n, t.clone()) for n, t in part.unpack()] for part in parts])
 
-    threads = [threading.Thread(target=worker, args=(g,)) for g in worker_groups]
+    def sender(group: CollectiveGroup, buckets) -> None:
+        assert [c.nbytes for c in BucketSender(group).send(buckets)] == [b.nbytes for b in buckets]
+
+    threads = [threading.Thread(target=worker, args=(groups,)) for groups in joined[senders:]]
+    threads += [threading.Thread(target=sender, args=(joined[r][0], streams[r])) for r in range(senders)]
     for t in threads:
         t.start()
-    contents = list(BucketSender(sender_group).send(buckets))
     for t in threads:
         t.join(timeout=30)
-    assert [c.nbytes for c in contents] == [b.nbytes for b in buckets]
-    for rank in (1, 2):
-        assert len(received[rank]) == len(buckets)
-        for bucket, got in zip(buckets, received[rank]):
-            for (name, want), (got_name, value) in zip(bucket.unpack(), got):
-                assert name == got_name and torch.equal(want, value)
-    for group in (sender_group, *worker_groups):
-        group.close()
+    for member in (senders, senders + 1):
+        assert len(received[member]) == 5
+        for i, parts in enumerate(received[member]):
+            for stream, got in zip(streams, parts):
+                want = stream[i].unpack()
+                assert [n for n, _ in got] == [n for n, _ in want]
+                assert all(torch.equal(a, b) for (_, a), (_, b) in zip(want, got))
+    for groups in joined:
+        for group in groups:
+            group.close()
     host.close()
 
 
@@ -68,7 +80,7 @@ def test_a_member_that_never_joins_fails_the_others_naming_it():
     host = RendezvousHost(["trainer", "rollout 0 worker 0", "rollout 1 worker 0"], timeout_s=1.5)
     start = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(CollectiveGroup.join, host.rendezvous, rank) for rank in (0, 1)]
+        futures = [pool.submit(CollectiveGroup.join, host.rendezvous, member) for member in (0, 1)]
         for future in futures:
             with pytest.raises(SyncTimeoutError, match=r"rollout 1 worker 0 did not join within 2 s"):
                 future.result(timeout=30)
@@ -84,21 +96,19 @@ def test_a_rendezvous_nobody_hosts_is_refused_with_its_address():
 
 def test_a_member_that_leaves_fails_the_senders_wait():
     host = RendezvousHost(["trainer", "rollout 0 worker 0"], timeout_s=2)
-    sender_group, worker_group = _join_all(host, range(2))
+    (sender_group,), (worker_group,) = _join_all(host, range(2))
     worker_group.close()
     start = time.monotonic()
-    with pytest.raises((TransportError, RuntimeError)):
+    with pytest.raises(TransportError, match="sending bucket 0 over collective group .* failed for trainer"):
         list(BucketSender(sender_group).send(_buckets(1, 2)))
     assert time.monotonic() - start < 15
     sender_group.close()
     host.close()
 
 
-def test_a_bucket_larger_than_the_prepared_buffers_is_refused():
+def test_announced_parts_must_match_the_workers_channels():
     host = RendezvousHost(["trainer", "rollout 0 worker 0"], timeout_s=5)
-    _, worker_group = _join_all(host, range(2))
-    receiver = BucketReceiver(worker_group)
-    receiver.prepare(64)
+    _, (worker_group,) = _join_all(host, range(2))
     bucket = _buckets(2, 1)[0]
-    with pytest.raises(TransportError, match="more than the 64 prepared"):
-        receiver.receive(bucket.contents(), None)
+    with pytest.raises(TransportError, match="2 part\\(s\\) announced for 1 channel"):
+        receive_parts([BucketReceiver(worker_group)], [bucket.contents()] * 2, [None, None])
