@@ -84,6 +84,12 @@ class UpdateLifecycle:
         with self._cond:
             return self._status
 
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests running now (an update's `begin` waits for them)."""
+        with self._cond:
+            return self._requests
+
     # -- serving -------------------------------------------------------------
     @contextmanager
     def request(self, *, allow_refusing: bool = False) -> Iterator[None]:

@@ -95,3 +95,7 @@ def greedy_gaps(trainer, version: int, sequences: Sequence[Sequence[int]], promp
         return (logprobs.max(-1).values - chosen).max(-1).values.tolist()
     finally:
         trainer.model.load_state_dict(current)
+
+
+def requests_in_flight(rollout) -> int:
+    return rollout._lifecycle.requests_in_flight

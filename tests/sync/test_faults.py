@@ -20,6 +20,7 @@ import torch
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, VOCAB_SIZE, make_prompts, model_dir
 from refit import Phase
+from tests.support.actors import requests_in_flight, run_in
 from tests.support.checkpoints import write_fewer_layers
 from tests.support.faults import kill_during_syncs
 
@@ -182,7 +183,10 @@ def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replic
     """Finding 1: the replicas that did begin kept their gate closed and blocked every call."""
     served = refit.Syncer(trainers[0], replicas, FAST).sync().version
     long_request = replicas[0].generate.remote(make_prompts(2048, PROMPT_LEN, seed=3), 118)  # begin waits for it
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while run_in(replicas[0], requests_in_flight) == 0:  # running, so the sync's begin on replica 0 must wait
+        assert time.monotonic() < deadline and not ray.wait([long_request], timeout=0)[0]
+        time.sleep(0.05)
     request_was_running: list[bool] = []
 
     def interrupt_once_replica_1_has_begun() -> None:
@@ -372,7 +376,7 @@ def test_a_hung_trainer_fails_the_sync_by_name_within_the_deadline(replicas, tra
 
 
 def test_a_hung_replica_fails_the_sync_by_name_and_recovers_by_itself(replicas, trainers):
-    from tests.support.actors import hold_update_lock, run_in
+    from tests.support.actors import hold_update_lock
 
     served = refit.Syncer(trainers[1], replicas, FAST).sync().version
     run_in(replicas[0], hold_update_lock, 12.0)

@@ -55,14 +55,11 @@ def test_tensor_parallel_engine_with_worker_processes(actors_factory):
         model_dir(True, "bf16"), load_format="dummy", tensor_parallel_size=2,
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker; vLLM cannot auto-bind 2 on 1 NUMA node
     )
-    report = refit.sync(trainer, rollout)
-    assert report.replicas[0].served_version == 1
     expected = ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
-    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected
-
-    # Over the collective transport both workers join the group and receive every bucket themselves.
-    ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=9).tolist()))
+    # From the dummy weights over the collective transport (both workers join the group and receive every
+    # bucket themselves), then over Ray's object store: the trainer's tokens both times.
     report = refit.sync(trainer, rollout, refit.SyncConfig(transport="collective", bucket_bytes=128 << 10))
-    assert report.replicas[0].served_version == 2 and report.buckets > 2
-    expected = ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
+    assert report.replicas[0].served_version == 1 and report.buckets > 2
+    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected
+    assert refit.sync(trainer, rollout).replicas[0].served_version == 2
     assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected
