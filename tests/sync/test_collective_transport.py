@@ -168,30 +168,34 @@ def test_two_collective_syncers_at_once_one_wins_and_the_other_fails_by_name(set
     assert refit.sync(trainer, [in_process, own_process], COLLECTIVE).replicas[0].served_version > max(versions)
 
 
+def kill_mid_broadcast(sync_trainer, replicas, victim, match: str) -> None:
+    """Kill `victim` during back-to-back collective syncs of small buckets; the sync fails naming `match`."""
+    ray.get([r.status.remote() for r in replicas], timeout=120)  # started: the deadline below is short
+    small = refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10)
+    syncer = refit.Syncer(sync_trainer, replicas, small)
+    syncer.sync()
+    kill_during_syncs(syncer, victim, after_s=0.2, error=refit.EngineError, match=match)
+
+
+def assert_recovers(trainer, replicas) -> None:
+    """Whole or refusing after the failure, never half-served; the next sync makes a new group and serves."""
+    for replica in replicas:
+        assert ray.get(replica.status.remote(), timeout=60).phase in (Phase.SERVING, Phase.REFUSING)
+    report = refit.sync(trainer, replicas, COLLECTIVE)
+    assert [r.served_version for r in report.replicas] == [report.version] * len(replicas)
+    assert len({tuple(map(tuple, served(r).token_ids)) for r in replicas}) == 1
+
+
 def test_a_trainer_killed_mid_broadcast_fails_the_sync_by_name_and_a_new_group_recovers(setup, module_actors):
     trainer, in_process, own_process = setup
     doomed = module_actors.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=9)
-    ray.get([r.status.remote() for r in (in_process, own_process)], timeout=120)  # started: the deadline below is short
-    syncer = refit.Syncer(doomed, [in_process, own_process],
-                          refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10))
-    syncer.sync()
-    kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.EngineError, match="the trainer died or is unreachable")
-    for replica in (in_process, own_process):
-        assert ray.get(replica.status.remote(), timeout=60).phase in (Phase.SERVING, Phase.REFUSING)
-    report = refit.sync(trainer, [in_process, own_process], COLLECTIVE)
-    assert [r.served_version for r in report.replicas] == [report.version] * 2
-    assert served(in_process).token_ids == served(own_process).token_ids
+    kill_mid_broadcast(doomed, [in_process, own_process], doomed, "the trainer died or is unreachable")
+    assert_recovers(trainer, [in_process, own_process])
 
 
-def test_a_replica_killed_mid_broadcast_fails_the_sync_within_the_deadline_and_the_others_recover(setup, module_actors):
+def test_a_replica_killed_mid_broadcast_fails_the_sync_by_name_and_the_others_recover(setup, module_actors):
+    """The survivors see the broken group first; the error names the replica that died, not the echo."""
     trainer, in_process, own_process = setup
     doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
-    ray.get([r.status.remote() for r in (in_process, own_process, doomed)], timeout=120)  # started: the deadline below is short
-    syncer = refit.Syncer(trainer, [in_process, own_process, doomed],
-                          refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10))
-    syncer.sync()
-    kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.EngineError, match="rollout 2 died or is unreachable")
-    for replica in (in_process, own_process):
-        assert ray.get(replica.status.remote(), timeout=60).phase in (Phase.SERVING, Phase.REFUSING)
-    report = refit.sync(trainer, [in_process, own_process], COLLECTIVE)
-    assert [r.served_version for r in report.replicas] == [report.version] * 2
+    kill_mid_broadcast(trainer, [in_process, own_process, doomed], doomed, "rollout 2 died or is unreachable")
+    assert_recovers(trainer, [in_process, own_process])
