@@ -115,6 +115,7 @@ def test_wait_mode_loses_no_request_and_tags_every_output_with_its_version(setup
     assert not any(c.aborted or len(c.token_ids) != TOKENS for _, c in load.done)
     served = {c.version for _, c in load.done}
     assert len(served) >= 5, served  # the load really ran across the syncs
+    print(f"\nasync wait: {len(load.done)} requests over {len(versions) - 1} syncs under load, served by versions {sorted(served)}")
     check_versions(trainer, load.done, versions)
     assert ray.get(rollout.status.remote()).served_version == versions[-1]
 
@@ -135,6 +136,7 @@ def test_abort_mode_returns_requests_in_flight_marked_aborted(setup):
     assert load.failed == []
     aborted = [c for _, c in load.done if c.aborted]
     assert aborted, "no request was in flight at an update"
+    print(f"\nasync abort: {len(load.done)} requests over 3 syncs, {len(aborted)} aborted by an update")
     assert all(len(c.token_ids) < TOKENS for c in aborted)  # ended early, with what it had generated
     check_versions(trainer, [(p, c) for p, c in load.done if not c.aborted], versions)
 

@@ -188,16 +188,24 @@ def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replic
         assert time.monotonic() < deadline and not ray.wait([long_request], timeout=0)[0]
         time.sleep(0.05)
     request_was_running: list[bool] = []
+    start = time.monotonic()
+    seen: list[tuple[float, str]] = []  # what the interrupting thread saw, for a failure's message
 
     def interrupt_once_replica_1_has_begun() -> None:
-        while status(replicas[1]).phase is not Phase.UPDATING:
+        while (phase := status(replicas[1]).phase) is not Phase.UPDATING:
+            seen.append((round(time.monotonic() - start, 2), str(phase)))
             time.sleep(0.05)
+        seen.append((round(time.monotonic() - start, 2), "updating: interrupting"))
         request_was_running.append(not ray.wait([long_request], timeout=0)[0])
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt_once_replica_1_has_begun, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt) as interrupt:
-        refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=60)).sync()
+    try:
+        with pytest.raises(KeyboardInterrupt) as interrupt:
+            refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=60)).sync()
+    finally:
+        print(f"\ninterrupt test: sync ended at {time.monotonic() - start:.2f} s; request done then: "
+              f"{bool(ray.wait([long_request], timeout=0)[0])}; the thread saw {seen[:3]} ... {seen[-3:]}")
     assert request_was_running == [True]  # so the driver was interrupted while replica 0 was still in begin
     # The abort waited (bounded) for replica 0's begin, which waited for the request.
     assert interrupt.value.__notes__ == [f"rollout 0: serving v{served}", f"rollout 1: serving v{served}"]
