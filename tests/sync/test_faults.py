@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import dataclasses
+import signal
 import threading
 import time
 
@@ -199,13 +200,18 @@ def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replic
         request_was_running.append(not ray.wait([long_request], timeout=0)[0])
         _thread.interrupt_main()
 
+    # `interrupt_main` acts only through Python's own SIGINT handler; in the full suite something earlier
+    # in this process had replaced it (the thread interrupted, nothing was raised), so set it for the test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_once_replica_1_has_begun, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt) as interrupt:
             refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=60)).sync()
     finally:
+        signal.signal(signal.SIGINT, previous)
         print(f"\ninterrupt test: sync ended at {time.monotonic() - start:.2f} s; request done then: "
-              f"{bool(ray.wait([long_request], timeout=0)[0])}; the thread saw {seen[:3]} ... {seen[-3:]}")
+              f"{bool(ray.wait([long_request], timeout=0)[0])}; the thread saw {seen[:3]} ... {seen[-3:]}; "
+              f"SIGINT handler before: {previous}")
     assert request_was_running == [True]  # so the driver was interrupted while replica 0 was still in begin
     # The abort waited (bounded) for replica 0's begin, which waited for the request.
     assert interrupt.value.__notes__ == [f"rollout 0: serving v{served}", f"rollout 1: serving v{served}"]
