@@ -126,13 +126,18 @@ class TransferPlan:
         return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)
 
     def layers_after(self, index: int) -> set[str]:
-        """The layers (`layer_key`) that still receive tensors after bucket `index`.
+        """The layers (`layer_key`) of bucket `index` that still receive tensors after it.
 
         vLLM's layerwise reload keeps references to what it was given until
         a layer is complete, so a receiver that reuses its buffers copies the
-        tensors of these layers before the next bucket lands on them.
+        tensors of these layers before the next bucket lands on them. Plan
+        order keeps a layer's tensors together, so a layer that continues
+        does so in the next bucket.
         """
-        return {layer_key(t.target) for bucket in self.buckets[index + 1 :] for t in bucket}
+        if index + 1 >= len(self.buckets):
+            return set()
+        mine = {layer_key(t.target) for t in self.buckets[index]}
+        return mine & {layer_key(t.target) for t in self.buckets[index + 1]}
 
 
 def layer_key(name: str) -> str:

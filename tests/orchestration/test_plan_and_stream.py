@@ -160,3 +160,14 @@ def test_bf16_where_the_rollout_expects_fp8_is_refused():
     as_bf16 = RolloutModelInfo(None, False, info.weights)  # a scheme that quantizes nothing
     with pytest.raises(PlanMismatchError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: the rollout expects it FP8_BLOCK"):
         make_plan(describe_weights(trainer_model(False)), as_bf16, config(1 << 20))
+
+
+def test_layers_after_names_exactly_the_layers_that_straddle_a_bucket_boundary():
+    """A receiver that reuses its buffers copies these tensors out (vLLM holds them until the layer is complete)."""
+    from refit.orchestration.plan import layer_key
+
+    plan = make_plan(describe_weights(trainer_model(False)), rollout_model(False, True), config(64 << 10))
+    assert len(plan.buckets) > 4 and any(plan.layers_after(i) for i in range(len(plan.buckets)))
+    for index, bucket in enumerate(plan.buckets):
+        later = {layer_key(t.target) for b in plan.buckets[index + 1 :] for t in b}
+        assert plan.layers_after(index) == {layer_key(t.target) for t in bucket} & later
