@@ -35,14 +35,14 @@ from actors._logging import show_refit_logs
 from refit.engine.async_engine import AsyncRolloutEngine, Completion
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import Phase, ReplicaStatus, UpdateLifecycle
-from refit.errors import ConfigError, EngineError, InvalidTensorError, ReplicaRefusingError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, ReplicaRefusingError, SyncTimeoutError
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
-from refit.verification import ProbeRequest, missing_tensors
+from refit.verification import ProbeRequest, refuse_partial
 
 __all__ = ["AsyncRolloutActor"]
 
@@ -199,12 +199,7 @@ class AsyncRolloutActor:
             try:
                 if config.verify is not Verify.OFF:
                     received = await self.engine.streamed()
-                    missing = missing_tensors(plan, received)
-                    if missing:
-                        raise InvalidTensorError(
-                            f"the sync did not deliver {len(missing)} tensor(s) of the plan: {', '.join(missing[:8])}; "
-                            "this replica will not serve a partial update"
-                        )
+                    refuse_partial(plan, received)
                 await self.engine.finish_update()
                 if config.verify is not Verify.OFF:
                     outcome = f"checksums, {len(received)} tensors complete, scales read back"

@@ -23,7 +23,7 @@ from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
-from refit.errors import ConfigError, EngineError, InvalidTensorError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, SyncTimeoutError
 from refit.orchestration.calls import remote_error
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.data_path import loadable_tensors
@@ -32,7 +32,7 @@ from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
-from refit.verification import ProbeRequest, missing_tensors
+from refit.verification import ProbeRequest, refuse_partial
 
 __all__ = ["RolloutActor"]
 
@@ -168,12 +168,7 @@ class RolloutActor:
             outcome, probe_passed = "off", None
             if config.verify is not Verify.OFF:
                 received = self.engine.streamed()
-                missing = missing_tensors(plan, received)
-                if missing:
-                    raise InvalidTensorError(
-                        f"the sync did not deliver {len(missing)} tensor(s) of the plan: {', '.join(missing[:8])}; "
-                        "this replica will not serve a partial update"
-                    )
+                refuse_partial(plan, received)
             self.engine.finish_update()  # refuses an incomplete update, or scales the engine holds wrongly
             if config.verify is not Verify.OFF:
                 outcome = f"checksums, {len(received)} tensors complete, scales read back"

@@ -163,6 +163,3 @@ class AsyncRolloutEngine:
 
     async def scale_records(self) -> list[ScaleRecord]:
         return scale_records_from_rows((await self.llm.collective_rpc("refit_scale_records"))[0])
-
-    def shutdown(self) -> None:
-        self.llm.shutdown()

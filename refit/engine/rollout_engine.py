@@ -210,9 +210,7 @@ def max_over_ranks(per_rank: list[list[tuple[str, str, float]]]) -> list[tuple[s
 
 def rendezvous_args(rendezvous: Rendezvous, member_offset: int) -> tuple:
     """`refit_join_group`'s arguments as plain data (vLLM's RPC carries no refit classes)."""
-    plain = [rendezvous.host, rendezvous.port, rendezvous.group_id, list(rendezvous.members), rendezvous.timeout_s,
-             rendezvous.senders]
-    return (plain, member_offset)
+    return (rendezvous.to_plain(), member_offset)
 
 
 def receive_info(contents: Sequence[BucketContents], next_bucket_bytes: Sequence[int | None], version: int, verify: bool) -> dict:

@@ -139,9 +139,6 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         for receiver in receivers:
             receiver.group.close()
 
-    def group_id(self) -> str | None:
-        return self._receivers[0].group.rendezvous.group_id if self._receivers else None
-
     def expect_plan(self, plan: TransferPlan, transport: str) -> None:
         """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`.
 

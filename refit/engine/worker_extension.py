@@ -34,14 +34,10 @@ class RefitWorkerExtension:
 
     def refit_join_group(self, rendezvous: list, member_offset: int) -> None:
         """Join the sync's collective group as member `member_offset` + this worker's rank in its engine."""
-        host, port, group_id, members, timeout_s, senders = rendezvous
-        self._refit().join_group(Rendezvous(host, port, group_id, tuple(members), timeout_s, senders), member_offset + self.rank)
+        self._refit().join_group(Rendezvous.from_plain(rendezvous), member_offset + self.rank)
 
     def refit_leave_group(self) -> None:
         self._refit().leave_group()
-
-    def refit_group_id(self) -> str | None:
-        return self._refit().group_id()
 
     def refit_expect_plan(self, plan: bytes, transport: str) -> None:
         """The open update's plan, pickled by the rollout actor (the same trusted sender as every RPC here)."""

@@ -90,8 +90,9 @@ def summary(error: BaseException) -> str:
 class BucketStream:
     """The trainer's stream of buckets for one sync: each next bucket within a deadline, closed on every exit."""
 
-    def __init__(self, trainer: Any, plan: Any, max_in_flight: int, transport: Any = "ray") -> None:
+    def __init__(self, trainer: Any, plan: Any, max_in_flight: int, transport: Any = "ray", *, who: str = "the trainer") -> None:
         self._actor = is_actor(trainer)
+        self._who = who  # "the trainer", or "trainer rank i" of a sharded one
         args = (plan,) if transport == "ray" else (plan, transport)  # a custom source may know only the object store
         if self._actor:
             self._gen = trainer.stream_buckets.options(
@@ -120,7 +121,7 @@ class BucketStream:
         ready, _ = ray.wait([self._gen], timeout=timeout_s)
         if not ready:
             raise SyncTimeoutError(
-                f"the trainer produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); it is hung, "
+                f"{self._who} produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); it is hung, "
                 "overloaded or its preflight is slower than the deadline"
             )
         try:
@@ -133,9 +134,9 @@ class BucketStream:
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise SyncTimeoutError(f"the trainer's bucket contents did not arrive within {timeout_s:.0f} s") from None
+            raise SyncTimeoutError(f"the bucket contents of {self._who} did not arrive within {timeout_s:.0f} s") from None
         except Exception as error:  # the trainer raised while producing it
-            raise remote_error(error, "the trainer", "stream_buckets") from None
+            raise remote_error(error, self._who, "stream_buckets") from None
 
     def close(self) -> None:
         """Stop the trainer's generator (its `finally` runs) unless it already ended."""

@@ -196,7 +196,7 @@ class Syncer:
             return PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(plan.buckets)} buckets")
 
         by_contents = transport != Transport.RAY
-        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport) for _, source in self._sources]
+        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport, who=who) for who, source in self._sources]
         progress = _progress_bar(self.config.progress, len(plan.buckets), version)
         try:
             upcoming = [stream.next(timeout, fetch=True) for stream in streams] if by_contents else []

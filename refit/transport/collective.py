@@ -69,6 +69,15 @@ class Rendezvous:
     def world_size(self) -> int:
         return len(self.members)
 
+    def to_plain(self) -> list:
+        """Plain data for vLLM's RPC (msgpack carries no refit classes)."""
+        return [self.host, self.port, self.group_id, list(self.members), self.timeout_s, self.senders]
+
+    @classmethod
+    def from_plain(cls, plain: list | tuple) -> Rendezvous:
+        host, port, group_id, members, timeout_s, senders = plain
+        return cls(host, port, group_id, tuple(members), timeout_s, senders)
+
 
 class RendezvousHost:
     """The TCPStore a group meets at, held by the driver for the group's life."""
@@ -87,10 +96,9 @@ class RendezvousHost:
 class CollectiveGroup:
     """One member's handle on one channel of a group: a sender and every worker (see the module docstring)."""
 
-    def __init__(self, rendezvous: Rendezvous, member: int, channel: int, backend: torch.distributed.ProcessGroup, store) -> None:
+    def __init__(self, rendezvous: Rendezvous, member: int, backend: torch.distributed.ProcessGroup, store) -> None:
         self.rendezvous = rendezvous
         self.member = member
-        self.channel = channel
         self.rank = _channel_rank(rendezvous, member)
         self.device = torch.device(backend_for_this_machine()[1], torch.cuda.current_device() if torch.cuda.is_available() else None)
         self._backend = backend
@@ -117,7 +125,7 @@ class CollectiveGroup:
         groups = []
         for channel in channels:  # every worker joins them in the same order: no two wait on each other
             backend = _backend(torch.distributed.PrefixStore(f"{channel}/", members), rank, size, timeout)
-            groups.append(cls(rendezvous, member, channel, backend, store))
+            groups.append(cls(rendezvous, member, backend, store))
         log.debug("%s joined group %s (%d channel(s))", rendezvous.members[member], rendezvous.group_id, len(groups))
         return groups
 
@@ -159,20 +167,17 @@ class BucketSender:
         self.group = group
 
     def send(self, buckets: Iterable[WireBucket]) -> Iterator[BucketContents]:
-        pending: tuple[torch.distributed.Work, torch.Tensor, int] | None = None
-        try:
-            for bucket in buckets:  # packing this bucket overlapped the previous broadcast
-                yield bucket.contents()
-                if pending is not None:
-                    self.group.wait(pending[0], f"sending bucket {pending[2]}")
-                    pending = None
-                if bucket.nbytes:  # a rank may hold nothing of a bucket: then nobody posts a receive
-                    data = _as_uint8(bucket.buffer).to(self.group.device)
-                    pending = (self.group.broadcast(data), data, bucket.index)
+        pending: tuple[torch.distributed.Work, torch.Tensor, int] | None = None  # the tensor stays alive until sent
+        for bucket in buckets:  # packing this bucket overlapped the previous broadcast
+            yield bucket.contents()
             if pending is not None:
                 self.group.wait(pending[0], f"sending bucket {pending[2]}")
-        finally:
-            pending = None
+                pending = None
+            if bucket.nbytes:  # a rank may hold nothing of a bucket: then nobody posts a receive
+                data = _as_uint8(bucket.buffer).to(self.group.device)
+                pending = (self.group.broadcast(data), data, bucket.index)
+        if pending is not None:
+            self.group.wait(pending[0], f"sending bucket {pending[2]}")
 
 
 class BucketReceiver:

@@ -18,7 +18,7 @@ token-id prompts after the post-refit stage, before it serves, and the
 result is compared with the trainer's own logprobs (`probe`).
 """
 
-from refit.verification.manifest import missing_tensors
+from refit.verification.manifest import missing_tensors, refuse_partial
 from refit.verification.probe import ProbeRequest, ProbeResult, ProbeThresholds, compare, probe_prompts, thresholds_for
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "ProbeThresholds",
     "compare",
     "missing_tensors",
+    "refuse_partial",
     "probe_prompts",
     "thresholds_for",
 ]

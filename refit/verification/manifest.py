@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from refit.errors import InvalidTensorError
 from refit.orchestration.plan import TransferPlan
 from refit.quantizer.fp8_block import scale_name
 
-__all__ = ["expected_tensors", "missing_tensors"]
+__all__ = ["expected_tensors", "missing_tensors", "refuse_partial"]
 
 
 def expected_tensors(plan: TransferPlan) -> set[str]:
@@ -28,3 +29,13 @@ def expected_tensors(plan: TransferPlan) -> set[str]:
 
 def missing_tensors(plan: TransferPlan, received: Iterable[str]) -> list[str]:
     return sorted(expected_tensors(plan) - set(received))
+
+
+def refuse_partial(plan: TransferPlan, received: Iterable[str]) -> None:
+    """Raise, naming what is missing, unless every tensor of `plan` was received: a replica never serves a partial update."""
+    missing = missing_tensors(plan, received)
+    if missing:
+        raise InvalidTensorError(
+            f"the sync did not deliver {len(missing)} tensor(s) of the plan: {', '.join(missing[:8])}; "
+            "this replica will not serve a partial update"
+        )
