@@ -34,8 +34,8 @@ import ray
 from actors._logging import show_refit_logs
 from refit.engine.async_engine import AsyncRolloutEngine, Completion
 from refit.engine.config import EngineConfig
-from refit.engine.lifecycle import Phase, ReplicaStatus, UpdateLifecycle
-from refit.errors import ConfigError, EngineError, ReplicaRefusingError, SyncTimeoutError
+from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
+from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError, VerificationError
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
@@ -189,7 +189,7 @@ class AsyncRolloutActor:
 
     async def finish_update(
         self, sync_id: str, version: int, probe: ProbeRequest | None = None
-    ) -> tuple[float, list[str], str, bool | None]:
+    ) -> FinishedUpdate:
         """Verify, finalize, resume vLLM, run the post-refit stage (and the probe) with requests still held, serve."""
         async with self._update_lock:
             self._lifecycle.renew(sync_id, "finish_update")
@@ -211,7 +211,7 @@ class AsyncRolloutActor:
                     result = await self.engine.probe(probe)
                     outcome, probe_passed = f"{outcome}; {result}", result.passed
                     if not result.passed and probe.fail:
-                        raise EngineError(f"the logprob probe after the refit failed: {result}")
+                        raise VerificationError(f"the logprob probe after the refit failed: {result}")
             except BaseException as error:
                 await self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)
                 raise
@@ -220,7 +220,7 @@ class AsyncRolloutActor:
             self._gate.set()
             seconds = time.perf_counter() - start
             self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome)
-            return seconds, written, outcome, probe_passed
+            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed)
 
     async def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
         async with self._update_lock:

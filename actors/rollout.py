@@ -21,9 +21,9 @@ import ray
 
 from actors._logging import show_refit_logs
 from refit.engine.config import EngineConfig
-from refit.engine.lifecycle import ReplicaStatus, UpdateLifecycle
+from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
 from refit.engine.rollout_engine import Generation, RolloutEngine
-from refit.errors import ConfigError, EngineError, SyncTimeoutError
+from refit.errors import ConfigError, SyncTimeoutError, VerificationError
 from refit.orchestration.calls import remote_error
 from refit.orchestration.config import Pause, SyncConfig, Verify
 from refit.orchestration.data_path import loadable_tensors
@@ -154,12 +154,10 @@ class RolloutActor:
     @ray.method(concurrency_group="update")
     def finish_update(
         self, sync_id: str, version: int, probe: ProbeRequest | None = None
-    ) -> tuple[float, list[str], str, bool | None]:
+    ) -> FinishedUpdate:
         """Verify, finalize, run the post-refit stage (and the probe), serve `version`.
 
-        Returns (seconds, KV scales written, verification outcome, probe
-        passed or None). A failed check raises; the sync then aborts the
-        update and this replica refuses.
+        A failed check raises; the sync then aborts the update and this replica refuses.
         """
         with self._update_lock:
             self._lifecycle.renew(sync_id, "finish_update")
@@ -180,7 +178,7 @@ class RolloutActor:
                     result = self.engine.probe(probe)
                     outcome, probe_passed = f"{outcome}; {result}", result.passed
                     if not result.passed and probe.fail:
-                        raise EngineError(f"the logprob probe after the refit failed: {result}")
+                        raise VerificationError(f"the logprob probe after the refit failed: {result}")
             except BaseException as error:
                 self._close(sync_id, f"{stage} failed: {error}", model_changed=True)
                 raise
@@ -188,7 +186,7 @@ class RolloutActor:
             self._lifecycle.finished(sync_id, version)
             seconds = time.perf_counter() - start
             self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome)
-            return seconds, written, outcome, probe_passed
+            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed)
 
     @ray.method(concurrency_group="update")
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:

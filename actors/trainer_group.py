@@ -27,6 +27,7 @@ import torch
 from actors._logging import show_refit_logs
 from actors._measure import private_rss_bytes, timed
 from refit.errors import ConfigError
+from refit.orchestration.calls import wait_until_started
 from refit.orchestration.plan import TensorMeta, TransferPlan
 from refit.sharding.process_group import free_port, init_trainer_group
 from refit.sharding.rank_source import RankSource
@@ -160,11 +161,13 @@ class TrainerGroup:
     """`world_size` `TrainerRank`s holding one FSDP2-sharded model; pass it to `refit.Syncer` as the trainer.
 
     `resources[r]` (optional) are Ray resources pinning rank r (e.g. `{"node1": 0.01}`).
+    Construction waits for the ranks' processes and their model loading under
+    `startup_timeout_s`; every later call has the deadline `timeout_s`.
     """
 
     def __init__(self, model_dir: str | Path, world_size: int, *, lr: float = 1e-3, seed: int = 0,
                  reinitialize: bool = False, resources: Sequence[dict[str, float]] | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, startup_timeout_s: float = 1800.0) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size={world_size}: a trainer group needs at least one rank")
         if resources is not None and len(resources) != world_size:
@@ -174,8 +177,10 @@ class TrainerGroup:
             TrainerRank.options(num_cpus=0, resources=(resources or [{}] * world_size)[r]).remote(r, world_size)
             for r in range(world_size)
         ]
+        wait_until_started([(f"trainer rank {r}", rank) for r, rank in enumerate(self.ranks)], timeout_s=startup_timeout_s)
         address, port = ray.get(self.ranks[0].rendezvous.remote(), timeout=timeout_s)
-        self._all("setup", address, port, str(model_dir), lr=lr, seed=seed, reinitialize=reinitialize, timeout_s=timeout_s)
+        self._all("setup", address, port, str(model_dir), lr=lr, seed=seed, reinitialize=reinitialize, timeout_s=timeout_s,
+                  deadline_s=startup_timeout_s)
 
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
         """One data-parallel step: rank r trains on `sequences[r::world_size]`; returns the mean loss."""
@@ -199,6 +204,7 @@ class TrainerGroup:
         for rank in self.ranks:
             ray.kill(rank)
 
-    def _all(self, method: str, *args, **kwargs):
+    def _all(self, method: str, *args, deadline_s: float | None = None, **kwargs):
         """Call a collective on every rank; rank 0's result."""
-        return ray.get([getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks], timeout=self.timeout_s)[0]
+        calls = [getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks]
+        return ray.get(calls, timeout=deadline_s or self.timeout_s)[0]

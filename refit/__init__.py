@@ -26,9 +26,10 @@ Words used throughout:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refit.errors import (
+    ActorDiedError,
     ConfigError,
     EngineError,
     InvalidTensorError,
@@ -39,7 +40,33 @@ from refit.errors import (
     SyncTimeoutError,
     TransportError,
     UnsupportedSchemeError,
+    VerificationError,
 )
+
+if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type checkers and IDEs
+    from refit.engine.config import EngineConfig
+    from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
+    from refit.orchestration import (
+        CheckpointView,
+        Pause,
+        QuantizeOn,
+        RolloutModelInfo,
+        SyncConfig,
+        Syncer,
+        SyncReport,
+        TensorMeta,
+        TransferPlan,
+        Transport,
+        Verify,
+        checkpoint_tensors,
+        describe_weights,
+        produce_buckets,
+        sync,
+    )
+    from refit.protocols import RolloutReplica, ShardedWeightSource, WeightSource
+    from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
+    from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme, quantize_fp8_block
+    from refit.transport.buckets import WireBucket
 
 _LAZY = {
     "sync": "refit.orchestration",
@@ -48,6 +75,7 @@ _LAZY = {
     "QuantizeOn": "refit.orchestration",
     "Transport": "refit.orchestration",
     "Pause": "refit.orchestration",
+    "Verify": "refit.orchestration",
     "SyncReport": "refit.orchestration",
     "TensorMeta": "refit.orchestration",
     "TransferPlan": "refit.orchestration",
@@ -59,6 +87,7 @@ _LAZY = {
     "RolloutModelInfo": "refit.orchestration",
     "EngineConfig": "refit.engine.config",
     "ReplicaStatus": "refit.engine.lifecycle",
+    "FinishedUpdate": "refit.engine.lifecycle",
     "Phase": "refit.engine.lifecycle",
     "WeightSource": "refit.protocols",
     "RolloutReplica": "refit.protocols",
@@ -72,6 +101,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ActorDiedError",
     "ConfigError",
     "EngineError",
     "InvalidTensorError",
@@ -82,6 +112,7 @@ __all__ = [
     "SyncTimeoutError",
     "TransportError",
     "UnsupportedSchemeError",
+    "VerificationError",
     *_LAZY,
 ]
 

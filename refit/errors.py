@@ -11,6 +11,7 @@ one type; each also derives from the builtin a caller would expect
 from __future__ import annotations
 
 __all__ = [
+    "ActorDiedError",
     "ConfigError",
     "EngineError",
     "InvalidTensorError",
@@ -21,6 +22,7 @@ __all__ = [
     "SyncTimeoutError",
     "TransportError",
     "UnsupportedSchemeError",
+    "VerificationError",
 ]
 
 
@@ -54,6 +56,19 @@ class ReplicaRefusingError(LifecycleError):
 
 class EngineError(RefitError, RuntimeError):
     """A rollout engine refused or failed an update."""
+
+
+class VerificationError(RefitError, RuntimeError):
+    """A verified sync found that a replica would not hold what the trainer sent: bytes altered in
+    transit, a tensor missing, a scale the engine holds differently, or a breached probe."""
+
+
+class ActorDiedError(EngineError):
+    """A trainer rank or rollout replica died, failed to start, or cannot be reached; `who` names it."""
+
+    def __init__(self, message: str, who: str = "") -> None:
+        super().__init__(message)
+        self.who = who  # pickled with the instance's __dict__, so it survives Ray
 
 
 class SyncTimeoutError(RefitError, TimeoutError):

@@ -14,10 +14,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from refit.engine.lifecycle import ReplicaStatus
+    from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus
     from refit.orchestration.config import SyncConfig
     from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan
-    from refit.transport.buckets import WireBucket
+    from refit.transport.buckets import BucketContents, WireBucket
+    from refit.verification.probe import ProbeRequest
 
 __all__ = ["RolloutReplica", "ShardedWeightSource", "WeightSource", "has_method", "missing_methods"]
 
@@ -39,7 +40,7 @@ class WeightSource(Protocol):
         """
         ...
 
-    def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket]:
+    def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket | BucketContents]:
         """A generator of the plan's buckets in plan order (`refit.produce_buckets(plan, refit.checkpoint_tensors(model))`).
 
         Called with Ray's `num_returns="streaming"`: the trainer runs at most
@@ -102,7 +103,9 @@ class RolloutReplica(Protocol):
         """
         ...
 
-    def load_bucket(self, sync_id: str, version: int, bucket: WireBucket | list) -> float:
+    def load_bucket(
+        self, sync_id: str, version: int, bucket: WireBucket | list, next_bucket_bytes: list[int | None] | None = None
+    ) -> float:
         """Load one bucket of update `version`; returns seconds spent loading.
 
         Through Ray the bucket arrives as a one-element list holding its object
@@ -115,10 +118,10 @@ class RolloutReplica(Protocol):
         """
         ...
 
-    def finish_update(self, sync_id: str, version: int) -> tuple[float, list[str]]:
-        """Check completeness, finalize, run the post-refit stage, serve `version`.
+    def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        """Check completeness, finalize, run the post-refit stage (and the probe, with `verify="probe"`), serve `version`.
 
-        Returns (seconds, attention scales written). On failure the replica refuses to serve.
+        On failure the replica refuses to serve.
         """
         ...
 

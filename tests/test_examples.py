@@ -3,8 +3,9 @@
 Each runs in its own Python process, as a user would start it. README
 blocks run with the fixture checkpoints in place of its placeholder paths;
 that substitution is the only change. Code that calls a plain `ray.init()`
-gets a fresh local instance (`RAY_ADDRESS=local`) rather than joining this
-session's cluster; examples that take a cluster address get that cluster.
+joins this session's cluster through `RAY_ADDRESS`, as it would join a
+user's running cluster (a cluster start saved per example); examples that
+take a cluster address get that cluster; the demo starts its own.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ PLACEHOLDERS = {
 }
 
 
-def run_python(args: list[str], timeout: float = 600, *, own_ray: bool = False) -> str:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": "local"} if own_ray else {})}
+def run_python(args: list[str], timeout: float = 600, *, ray_address: str | None = None) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray_address} if ray_address else {})}
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout
@@ -51,20 +52,20 @@ def test_readme_has_python_blocks_and_each_names_only_known_placeholders():
 
 @pytest.mark.engine
 @pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_block_runs_as_written(index, tmp_path):
+def test_readme_block_runs_as_written(index, tmp_path, ray_cluster):
     code = readme_python_blocks()[index]
     for placeholder, path in PLACEHOLDERS.items():
         code = code.replace(placeholder, path)
     script = tmp_path / "readme_block.py"
     script.write_text("num_steps = 2  # the README leaves the loop's length to the reader\n" + code)
-    out = run_python([str(script)], own_ray=True)
+    out = run_python([str(script)], ray_address=ray_cluster.address)
     assert "sync v1:" in out and "sync v2:" in out, out
     assert re.search(r"model\.layers\.1\.self_attn\.attn +k_scale +default +1 +1$", out, re.MULTILINE), out  # provenance
 
 
 @pytest.mark.engine
-def test_quickstart_rollouts_continue_the_progression_like_the_trainer():
-    out = run_python(["examples/quickstart.py"], own_ray=True)
+def test_quickstart_rollouts_continue_the_progression_like_the_trainer(ray_cluster):
+    out = run_python(["examples/quickstart.py"], ray_address=ray_cluster.address)
     expected = expected_continuation([7, 10, 13, 16, 19, 22, 25, 28], NEW_TOKENS)
     assert printed_tokens(out, "trainer:") == [expected]
     assert printed_tokens(out, "rollout ") == [expected, expected]

@@ -14,6 +14,6 @@ trainer and driver processes may not have.
 """
 
 from refit.engine.config import EngineConfig
-from refit.engine.lifecycle import Phase, ReplicaStatus, UpdateLifecycle
+from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
 
-__all__ = ["EngineConfig", "Phase", "ReplicaStatus", "UpdateLifecycle"]
+__all__ = ["EngineConfig", "FinishedUpdate", "Phase", "ReplicaStatus", "UpdateLifecycle"]

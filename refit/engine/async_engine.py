@@ -54,6 +54,7 @@ class Completion:
 
 class AsyncRolloutEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config.check_model_directory()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -65,10 +65,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        model = Path(str(self.model))
-        if not (model / "config.json").is_file():
-            what = "does not exist" if not model.exists() else "has no config.json"
-            problems.append(f"model={str(self.model)!r} {what}: refit starts engines from a local checkpoint directory")
+        if not isinstance(self.model, (str, Path)) or not str(self.model):
+            problems.append(f"model={self.model!r}: expected the path of a local checkpoint directory")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             problems.append(f"load_format={self.load_format!r}: expected 'auto', 'dummy' or 'safetensors'")
         for name in ("max_model_len", "tensor_parallel_size"):
@@ -88,6 +86,21 @@ class EngineConfig:
             problems.append(f"extra sets {reserved}: refit sets these (use kv_cache_bytes / memory_fraction)")
         if problems:
             raise ConfigError("invalid EngineConfig:\n  " + "\n  ".join(problems))
+
+    def check_model_directory(self) -> None:
+        """Refuse a model directory this machine lacks.
+
+        Called where the engine starts, not where the config is made: on a
+        cluster without shared storage the checkpoint exists only on the
+        rollout nodes, not on the driver's.
+        """
+        model = Path(str(self.model))
+        if not (model / "config.json").is_file():
+            what = "does not exist" if not model.exists() else "has no config.json"
+            raise ConfigError(
+                f"invalid EngineConfig: model={str(self.model)!r} {what} on this node: "
+                "refit starts engines from a local checkpoint directory"
+            )
 
     @property
     def initial_refusal(self) -> str | None:

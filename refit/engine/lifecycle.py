@@ -33,7 +33,7 @@ from enum import StrEnum
 
 from refit.errors import LifecycleError, ReplicaRefusingError, SyncTimeoutError
 
-__all__ = ["Phase", "ReplicaStatus", "UpdateLifecycle"]
+__all__ = ["FinishedUpdate", "Phase", "ReplicaStatus", "UpdateLifecycle"]
 
 log = logging.getLogger("refit.engine")
 
@@ -58,6 +58,16 @@ class ReplicaStatus:
         if self.phase is Phase.UPDATING:
             return f"updating (sync {self.sync_id})"
         return f"refusing to serve: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedUpdate:
+    """What a replica's `finish_update` reports: the update it now serves, and how it was checked."""
+
+    seconds: float  # verification, reload finalization, post-refit stage, probe
+    kv_scales_written: tuple[str, ...] = ()  # attention scales the post-refit stage wrote
+    verification: str = "off"  # what was verified, and the probe's outcome
+    probe_passed: bool | None = None  # None: no probe ran
 
 
 @dataclass(slots=True)

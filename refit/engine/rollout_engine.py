@@ -14,9 +14,11 @@ state; `actors.RolloutActor` wraps it for Ray.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ class Generation:
 
 class RolloutEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config.check_model_directory()
         # The engine core runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING=1
         # says otherwise. Only the `ray` transport cares: it hands tensors to
         # the workers as RPC arguments, which a separate core process cannot
@@ -65,7 +68,9 @@ class RolloutEngine:
         from vllm import LLM
 
         self.config = config
-        self.llm = LLM(**config.llm_kwargs(on_gpu=on_gpu))
+        kwargs = config.llm_kwargs(on_gpu=on_gpu)
+        with _tokenizerless_chat_warmup_unlogged(kwargs):
+            self.llm = LLM(**kwargs)
         self.model_info = RolloutModelInfo.from_checkpoint(config.model, from_files=config.load_format != "dummy")
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.workers = int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
@@ -179,6 +184,44 @@ class RolloutEngine:
         unfinished = list(engine.output_processor.request_states)
         if unfinished:
             engine.abort_request(unfinished, internal=True)
+
+
+# `vllm.LLM.__init__` always warms up the chat template (vLLM 0.32:
+# vllm/entrypoints/llm.py, `self.renderer.warmup(...)`); no engine argument
+# skips it. Rendering a chat needs the tokenizer, which `skip_tokenizer_init`
+# (always set by refit: rollouts exchange token ids) leaves out, so the
+# renderer raises "Tokenizer not available when `skip_tokenizer_init=True`"
+# and vLLM logs "Chat template warmup failed" with that traceback at WARNING
+# (vllm/renderers/base.py, `BaseRenderer.warmup`), a failure of nothing refit
+# uses. While the engine starts, a filter on that one logger drops exactly
+# that record: that message, caused by that ValueError. Any other warmup
+# failure, and every other line, is still logged at vLLM's own levels.
+# (`AsyncLLM` runs no chat-template warmup, so `AsyncRolloutEngine` needs none.)
+_CHAT_WARMUP_LOGGER = "vllm.renderers.base"
+_CHAT_WARMUP_FAILED = "Chat template warmup failed"
+
+
+class _TokenizerlessChatWarmupFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.name == _CHAT_WARMUP_LOGGER and record.msg == _CHAT_WARMUP_FAILED
+            and isinstance(error, ValueError) and "skip_tokenizer_init" in str(error)
+        )
+
+
+@contextmanager
+def _tokenizerless_chat_warmup_unlogged(llm_kwargs: Mapping[str, object]) -> Iterator[None]:
+    """Start `vllm.LLM(**llm_kwargs)` inside this: without a tokenizer, its chat warmup's failure is not logged."""
+    if not llm_kwargs.get("skip_tokenizer_init"):
+        yield
+        return
+    logger, drop = logging.getLogger(_CHAT_WARMUP_LOGGER), _TokenizerlessChatWarmupFilter()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _refuse_if_it_cannot_fit(config: EngineConfig) -> None:

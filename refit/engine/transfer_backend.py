@@ -41,7 +41,7 @@ import torch
 from refit.engine.compat import incompatible_vllm, require_vllm_release
 from refit.engine.config import TRANSFER_BACKEND
 from refit.engine.readback import scale_mismatches
-from refit.errors import EngineError, LifecycleError
+from refit.errors import EngineError, LifecycleError, VerificationError
 
 try:
     from vllm.distributed.weight_transfer.base import (
@@ -214,7 +214,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         if self._verify and current_platform.is_cpu():  # elsewhere kernels may keep scales in a layout of their own
             wrong = scale_mismatches(self.model, self.provenance, self._sent_scales)
             if wrong:
-                raise EngineError(
+                raise VerificationError(
                     f"after the reload the engine holds weight scales that differ from what the sync sent, in "
                     f"{len(wrong)} place(s): {', '.join(wrong[:8])}; this replica will not serve them"
                 )

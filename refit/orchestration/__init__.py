@@ -14,7 +14,7 @@ is imported only where a model is described.
 """
 
 from refit.orchestration.checkpoint_format import CheckpointView, checkpoint_tensors, describe_weights
-from refit.orchestration.config import Pause, QuantizeOn, SyncConfig, Transport
+from refit.orchestration.config import Pause, QuantizeOn, SyncConfig, Transport, Verify
 from refit.orchestration.data_path import loadable_tensors, produce_buckets
 from refit.orchestration.plan import PlannedTensor, RolloutModelInfo, TensorMeta, TransferPlan, make_plan, module_classes
 from refit.orchestration.report import ReplicaReport, SyncReport
@@ -31,6 +31,7 @@ __all__ = [
     "SyncReport",
     "Transport",
     "Syncer",
+    "Verify",
     "TensorMeta",
     "TransferPlan",
     "checkpoint_tensors",

@@ -8,13 +8,29 @@ naming who failed, and so that the same flow runs on plain Python objects
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit.errors import SyncTimeoutError, TransportError
+from refit.errors import ActorDiedError, SyncTimeoutError, TransportError
 
-__all__ = ["BucketStream", "Outcome", "call_all", "is_actor", "raise_first_error", "remote_error", "submit_all", "summary", "wait_all"]
+__all__ = [
+    "BucketStream",
+    "Outcome",
+    "call_all",
+    "dead_members",
+    "is_actor",
+    "raise_first_error",
+    "remote_error",
+    "submit_all",
+    "summary",
+    "wait_all",
+    "wait_until_started",
+]
+
+log = logging.getLogger("refit.orchestration")
 
 
 def is_actor(target: Any) -> bool:
@@ -181,14 +197,66 @@ def remote_error(error: Exception, who: str, method: str) -> Exception:
     """What a failed `ray.get` of `who`'s `method` means: the remote exception itself, or that `who` is gone."""
     import ray
 
-    from refit.errors import EngineError
-
     if isinstance(error, ray.exceptions.RayTaskError):
         return error.as_instanceof_cause()
     if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
         # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        gone = EngineError(f"{who} died or is unreachable ({method}): {type(error).__name__}: {lines[-1] if lines else ''}")
+        gone = ActorDiedError(f"{who} died or is unreachable ({method}): {type(error).__name__}: {lines[-1] if lines else ''}", who)
         gone.__cause__ = error
         return gone
     return error
+
+
+def wait_until_started(
+    targets: Sequence[tuple[str, Any]], *, timeout_s: float, on_started: Callable[[int, int], None] | None = None
+) -> float:
+    """Wait until every actor among `targets` has finished its constructor; returns the seconds waited.
+
+    Why a wait of its own: a constructor loads a model or starts an engine
+    (minutes on a GPU: weights, torch.compile, CUDA graphs), and Ray queues
+    every call behind it. Counting that against `SyncConfig.timeout_s` would
+    fail a healthy first sync, so the start-up has its own deadline and the
+    sync's deadlines start once every actor is up. An actor whose
+    constructor fails ends the wait at once, named, with its own error.
+    `on_started(done, total)` is told of each actor that is up.
+    """
+    import ray
+
+    start = time.monotonic()
+    waiting = {target.__ray_ready__.remote(): who for who, target in targets if is_actor(target)}
+    total, announced = len(waiting), False
+    while waiting:
+        remaining = start + timeout_s - time.monotonic()
+        if remaining <= 0:
+            raise SyncTimeoutError(
+                f"{', '.join(waiting.values())} did not finish starting within {timeout_s:.0f} s "
+                "(SyncConfig.startup_timeout_s); their constructors are still running or are hung"
+            )
+        ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining if announced else min(remaining, 1.0))
+        if not ready and not announced:
+            log.info("waiting for %s to start (up to %.0f s, SyncConfig.startup_timeout_s)", ", ".join(waiting.values()), timeout_s)
+            announced = True
+        for ref in ready:
+            who = waiting.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as error:
+                raise remote_error(error, who, "starting") from None
+            if on_started is not None:
+                on_started(total - len(waiting), total)
+    return time.monotonic() - start
+
+
+def dead_members(targets: Sequence[tuple[str, Any]], *, grace_s: float) -> list[ActorDiedError]:
+    """Which actors among `targets` are dead, each as the error that names it; waits at most `grace_s`.
+
+    Why: when one member of a sync dies, the others' symptoms (a broken
+    gloo/NCCL pair, a lost object, a missed deadline) often reach the driver
+    before the death does. Asking every actor for a trivial answer (Ray's
+    `__ray_ready__`, which no update or request holds up) tells the dead from
+    the merely failed, whatever arrived first. An actor that does not answer
+    in time counts as alive.
+    """
+    outcomes = call_all([(who, target) for who, target in targets if is_actor(target)], "__ray_ready__", timeout_s=grace_s)
+    return [o.error for o in outcomes if isinstance(o.error, ActorDiedError)]

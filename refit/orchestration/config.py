@@ -96,6 +96,12 @@ class SyncConfig:
     whose update gets no call for this long closes it by itself. It must also cover the trainer's
     check of every tensor before its first bucket (about 4 GB/s of bf16 on one CPU core)."""
 
+    startup_timeout_s: float = 1800.0
+    """How long a sync waits for trainer ranks and replicas that are still being constructed
+    (loading a model, starting an engine: minutes on a GPU with torch.compile and CUDA graphs)
+    before its first remote call. Awaited once per `Syncer`, before `timeout_s` applies; an actor
+    whose constructor fails ends the wait at once, by name."""
+
     def __post_init__(self) -> None:
         problems: list[str] = []
         if isinstance(self.transport, (list, tuple, set)):
@@ -120,8 +126,10 @@ class SyncConfig:
             problems.append(f"progress={self.progress!r}: expected True, False or None")
         if not isinstance(self.check_against_rollout, bool):
             problems.append(f"check_against_rollout={self.check_against_rollout!r}: expected True or False")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            problems.append(f"timeout_s={self.timeout_s!r}: expected a positive number of seconds")
+        for name in ("timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                problems.append(f"{name}={value!r}: expected a positive number of seconds")
         try:
             prompts = token_prompts(self.calibration_prompts, setting="calibration_prompts")
             object.__setattr__(self, "calibration_prompts", prompts)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from refit.errors import InvalidTensorError, PlanMismatchError
+from refit.errors import InvalidTensorError, PlanMismatchError, VerificationError
 from refit.orchestration.config import QuantizeOn
 from refit.orchestration.plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
@@ -73,7 +73,7 @@ def _check_checksums(parts: list[WireBucket]) -> None:
     altered = [entry.name for part in parts for entry, tensor in part.unpack_rows()
                if entry.crc32 is not None and crc32(tensor) != entry.crc32]
     if altered:
-        raise InvalidTensorError(
+        raise VerificationError(
             f"bucket {parts[0].index} arrived altered (CRC-32 differs from the sender's) in: {', '.join(altered)}; "
             "nothing of it was loaded"
         )

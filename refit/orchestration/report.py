@@ -24,7 +24,7 @@ class SyncReport:
     tensors: int  # planned tensors (a quantized weight counts once)
     buckets: int
     bytes_on_wire: int  # what each replica fetched
-    plan_seconds: float  # 0.0 when the plan was reused
+    plan_seconds: float  # 0.0 when the plan was reused; never includes the wait for actors to start
     trainer_seconds: float | None  # preflight checks, quantization and packing (if the trainer reports it)
     total_seconds: float
     replicas: tuple[ReplicaReport, ...]
@@ -32,6 +32,7 @@ class SyncReport:
     stream_seconds: float = 0.0  # first bucket requested to last bucket loaded everywhere
     finish_seconds: float = 0.0  # every replica verified, finished and serving
     probe_breached: bool = False  # the probe breached its thresholds somewhere and `on_probe_breach="flag"`
+    startup_seconds: float = 0.0  # waiting for trainer ranks and replicas to be constructed (the Syncer's first call only)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,7 +41,9 @@ class SyncReport:
         mib = self.bytes_on_wire / 2**20
         lines = [
             f"sync v{self.version}: {self.tensors} tensors in {self.buckets} buckets, {mib:.1f} MiB on the wire, "
-            f"{self.total_seconds:.3f} s total (plan {self.plan_seconds:.3f} s, begin {self.begin_seconds:.3f} s, "
+            f"{self.total_seconds:.3f} s total ("
+            + (f"waited {self.startup_seconds:.3f} s for actors to start, " if self.startup_seconds else "")
+            + f"plan {self.plan_seconds:.3f} s, begin {self.begin_seconds:.3f} s, "
             f"stream {self.stream_seconds:.3f} s, finish {self.finish_seconds:.3f} s"
             + (f"; trainer busy {self.trainer_seconds:.3f} s)" if self.trainer_seconds is not None else ")")
         ]

@@ -23,12 +23,15 @@ makes once (`collective`) or CUDA IPC (`ipc`), where the trainer's stream
 carries only each bucket's table of contents and the driver hands it on to
 the replicas together with the next bucket's size.
 
-Every remote wait has a deadline (`SyncConfig.timeout_s`). On any failure,
-at any step, including a driver interrupt, the trainer's stream is closed
-and every replica's update is aborted: a replica that received nothing
-keeps serving its old version, one that did refuses to serve until a later
-sync completes. The error raised is the original cause, with each replica's
-resulting state attached as notes.
+Before its first remote call a Syncer waits for actors still being
+constructed (`SyncConfig.startup_timeout_s`); from then on every remote wait
+has a deadline (`SyncConfig.timeout_s`). On any failure, at any step,
+including a driver interrupt, the trainer's stream is closed and every
+replica's update is aborted: a replica that received nothing keeps serving
+its old version, one that did refuses to serve until a later sync completes.
+The error raised is the cause: when a member died, its death, whichever of
+its echoes (a broken group, a lost object, a missed deadline) arrived first;
+the echoes and each replica's resulting state are attached as notes.
 """
 
 from __future__ import annotations
@@ -41,8 +44,19 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from refit.errors import ConfigError, EngineError, InvalidTensorError, PlanMismatchError
-from refit.orchestration.calls import BucketStream, call_all, is_actor, raise_first_error, submit_all, summary, wait_all
+from refit.engine.lifecycle import FinishedUpdate
+from refit.errors import ActorDiedError, ConfigError, EngineError, PlanMismatchError, VerificationError
+from refit.orchestration.calls import (
+    BucketStream,
+    call_all,
+    dead_members,
+    is_actor,
+    raise_first_error,
+    submit_all,
+    summary,
+    wait_all,
+    wait_until_started,
+)
 from refit.orchestration.config import SyncConfig, Transport, Verify
 from refit.orchestration.metrics import record_failure, record_sync
 from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan, make_plan
@@ -76,6 +90,7 @@ class Syncer:
             raise ConfigError("Syncer needs at least one rollout replica")
         if config is not None and not isinstance(config, SyncConfig):
             raise ConfigError(f"config={config!r}: expected a refit.SyncConfig")
+        _refuse_actor_classes([("trainer", trainer)] + [(f"rollout {i}", r) for i, r in enumerate(self.rollouts)])
         self._sources = _weight_sources(trainer)
         problems = [f"{who} lacks {m}()" for who, source in self._sources for m in missing_methods(source, WeightSource)]
         for i, replica in enumerate(self.rollouts):
@@ -91,6 +106,7 @@ class Syncer:
         self._plan: TransferPlan | None = None
         self._rollout_model: RolloutModelInfo | None = None
         self._group: RendezvousHost | None = None  # the collective group's rendezvous, held while the group lives
+        self._started = False  # every actor has finished its constructor (awaited once)
 
     def _transport_problems(self) -> list[str]:
         transport = self.config.transport
@@ -103,8 +119,25 @@ class Syncer:
                      for i, r in enumerate(self.rollouts) for m in (*needs, "transport_ranks") if not has_method(r, m)]
         return problems
 
+    def wait_until_started(self) -> float:
+        """Wait for trainer ranks and replicas still being constructed (`SyncConfig.startup_timeout_s`); seconds waited.
+
+        Once per Syncer, before its first remote call; `plan()` and `sync()`
+        call it, and an RL loop may call it early to time its engines' start.
+        """
+        if self._started:
+            return 0.0
+        with _progress_bar(self.config.progress, len(self._sources) + len(self._replicas), "refit: actors started") as bar:
+            seconds = wait_until_started(self._sources + self._replicas, timeout_s=self.config.startup_timeout_s,
+                                         on_started=lambda done, total: bar.update())
+        self._started = True
+        if seconds > 1.0:
+            log.info("every trainer rank and replica started (waited %.1f s)", seconds)
+        return seconds
+
     def plan(self) -> TransferPlan:
         """The transfer plan, made on first use from both sides' metadata."""
+        self.wait_until_started()
         if self._plan is None:
             timeout = self.config.timeout_s
             infos = raise_first_error(call_all(self._replicas, "describe", timeout_s=timeout))
@@ -116,6 +149,7 @@ class Syncer:
 
     def sync(self) -> SyncReport:
         """Put the trainer's current weights into every replica; see the module docstring."""
+        startup_seconds = self.wait_until_started()
         start = time.perf_counter()
         planned_before = self._plan is not None
         plan = self.plan()
@@ -140,16 +174,16 @@ class Syncer:
             finished = raise_first_error(call_all(self._replicas, "finish_update", sync_id, version, *probe, timeout_s=timeout))
             stages["finish"] = time.perf_counter() - stage
         except BaseException as error:
-            self._abort(sync_id, error)
-            if self._group is not None:  # a broadcast may be left half-posted: the next sync starts a new group
-                self._disconnect()
-            log.warning("sync %s failed: %s\n  %s", sync_id, summary(error), "\n  ".join(getattr(error, "__notes__", [])))
-            record_failure(verification_failed=isinstance(error, (InvalidTensorError, EngineError)))
-            raise
+            cause = self._failed(sync_id, error)
+            if cause is error:
+                raise
+            raise cause from None
         log.info("sync %s v%d: every replica serves it (%.3f s)", sync_id, version, time.perf_counter() - start)
 
         nodes = raise_first_error(call_all(self._replicas, "node_id", timeout_s=timeout))
-        finished = [(*f, "", None)[:4] for f in finished]  # custom replicas may return (seconds, written) only
+        wrong = [f"rollout {i}: {f!r}" for i, f in enumerate(finished) if not isinstance(f, FinishedUpdate)]
+        if wrong:
+            raise EngineError("finish_update must return a refit.engine.lifecycle.FinishedUpdate:\n  " + "\n  ".join(wrong))
         report = SyncReport(
             version=version,
             tensors=len(plan.tensors),
@@ -159,13 +193,14 @@ class Syncer:
             trainer_seconds=self._trainer_seconds(),
             total_seconds=time.perf_counter() - start,
             replicas=tuple(
-                ReplicaReport(i, nodes[i], version, load_seconds[i], finished[i][0], tuple(finished[i][1]), finished[i][2])
-                for i in range(len(self.rollouts))
+                ReplicaReport(i, nodes[i], version, load_seconds[i], f.seconds, tuple(f.kv_scales_written), f.verification)
+                for i, f in enumerate(finished)
             ),
             begin_seconds=stages["begin"],
             stream_seconds=stages["stream"],
             finish_seconds=stages["finish"],
-            probe_breached=any(f[3] is False for f in finished),
+            probe_breached=any(f.probe_passed is False for f in finished),
+            startup_seconds=startup_seconds,
         )
         if report.probe_breached:
             log.warning("sync %s v%d: the logprob probe breached its thresholds (flagged, not failed)", sync_id, version)
@@ -197,7 +232,7 @@ class Syncer:
 
         by_contents = transport != Transport.RAY
         streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport, who=who) for who, source in self._sources]
-        progress = _progress_bar(self.config.progress, len(plan.buckets), version)
+        progress = _progress_bar(self.config.progress, len(plan.buckets), f"refit sync v{version}", unit="bucket")
         try:
             upcoming = [stream.next(timeout, fetch=True) for stream in streams] if by_contents else []
             for index in range(len(plan.buckets)):
@@ -297,6 +332,24 @@ class Syncer:
         reference = raise_first_error(call_all(self._sources, "reference_logprobs", prompts, timeout_s=self.config.timeout_s))[0]
         return ProbeRequest(tuple(map(tuple, prompts)), tuple(map(tuple, reference)), fail=self.config.on_probe_breach == "fail")
 
+    def _failed(self, sync_id: str, error: BaseException) -> BaseException:
+        """Clean up after a failed sync; returns what to raise: `error`, or the death it echoes.
+
+        Every replica's update is closed, and the collective group, which a
+        broadcast may have left half-posted, is dropped (the next sync makes a
+        new one). Members are asked whether they live first, so the error
+        names a dead member whichever of its symptoms reached the driver first.
+        """
+        cause = error
+        if isinstance(error, Exception):  # an interrupt is its own cause
+            cause = _named_cause(error, dead_members(self._sources + self._replicas, grace_s=min(3.0, self.config.timeout_s)))
+        self._abort(sync_id, cause)
+        if self._group is not None:
+            self._disconnect()
+        log.warning("sync %s failed: %s\n  %s", sync_id, summary(cause), "\n  ".join(getattr(cause, "__notes__", [])))
+        record_failure(verification_failed=isinstance(cause, VerificationError))
+        return cause
+
     def _abort(self, sync_id: str, error: BaseException) -> None:
         """Close the update on every replica (bounded); attach what each was left doing to `error`."""
         reason = f"sync {sync_id} failed: {summary(error)}"
@@ -321,12 +374,53 @@ def sync(
         return syncer.sync()
 
 
-def _progress_bar(wanted: bool | None, total: int, version: int) -> Any:
-    """A bar over buckets on stderr when asked, or by default when stderr is a terminal; else a no-op."""
+def _progress_bar(wanted: bool | None, total: int, description: str, unit: str = "actor") -> Any:
+    """A bar on stderr when asked, or by default when stderr is a terminal; else a no-op."""
     from tqdm.auto import tqdm
 
     show = sys.stderr.isatty() if wanted is None else wanted
-    return tqdm(total=total, unit="bucket", desc=f"refit sync v{version}", disable=not show, leave=False)
+    return tqdm(total=total, unit=unit, desc=description, disable=not show, leave=False)
+
+
+def _named_cause(error: Exception, dead: list[ActorDiedError]) -> Exception:
+    """What a failed sync raises when members are dead: the death of the first (trainer ranks, then replicas).
+
+    An error that already names a dead member is kept (without the wrapper
+    of the actor that relayed it); any other error becomes a note, as an echo.
+    """
+    if not dead:
+        return error
+    original = getattr(error, "cause", None) or error  # Ray's RayTaskError relays the remote exception as `cause`
+    named = isinstance(original, ActorDiedError) and any(d.who == original.who for d in dead)
+    cause = original if named else dead[0]
+    if cause is not error:
+        if not named:
+            cause.add_note(f"echo of it: {summary(error)}")
+        for note in getattr(error, "__notes__", []):
+            cause.add_note(note)
+    for other in dead:
+        if other.who != cause.who:
+            cause.add_note(f"also dead: {summary(other)}")
+    return cause
+
+
+def _class_name(cls: Any) -> str:
+    # A Ray actor class keeps the decorated class's name in its metadata; repr() says "ActorClass(Name)".
+    name = getattr(getattr(cls, "__ray_metadata__", None), "class_name", None) or getattr(cls, "__name__", None)
+    return name or repr(cls)
+
+
+def _refuse_actor_classes(members: list[tuple[str, Any]]) -> None:
+    """A class where an actor is expected (`TrainerActor` for `TrainerActor.remote(...)`) fails far from here: name it."""
+    try:
+        from ray.actor import ActorClass
+    except ImportError:  # a single-process setup without Ray
+        ActorClass = type  # noqa: N806
+    classes = [(who, m) for who, m in members if isinstance(m, (ActorClass, type))]
+    problems = [f"{who} is the class {_class_name(m)}, not an actor: pass the handle {_class_name(m)}.remote(...) returns"
+                for who, m in classes]
+    if problems:
+        raise ConfigError("refit syncs running actors:\n  " + "\n  ".join(problems))
 
 
 def _weight_sources(trainer: Any) -> list[tuple[str, Any]]:

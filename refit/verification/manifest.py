@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from refit.errors import InvalidTensorError
+from refit.errors import VerificationError
 from refit.orchestration.plan import TransferPlan
 from refit.quantizer.fp8_block import scale_name
 
@@ -35,7 +35,7 @@ def refuse_partial(plan: TransferPlan, received: Iterable[str]) -> None:
     """Raise, naming what is missing, unless every tensor of `plan` was received: a replica never serves a partial update."""
     missing = missing_tensors(plan, received)
     if missing:
-        raise InvalidTensorError(
+        raise VerificationError(
             f"the sync did not deliver {len(missing)} tensor(s) of the plan: {', '.join(missing[:8])}; "
             "this replica will not serve a partial update"
         )

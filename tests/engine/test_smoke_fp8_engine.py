@@ -6,11 +6,14 @@ linear layer") unless refit's plugin is installed and loaded through its
 `vllm.general_plugins` entry point; this test never calls `register()`.
 The FP8 KV cache exercises the CPU attention path that refuses non-positive
 KV scales. Engine start-up costs 3-8 s here (plus ~10 s to import vLLM), so
-one engine serves every check in this module.
+one engine serves every check in this module; it starts the way refit starts
+every rollout (`RolloutEngine`, so `skip_tokenizer_init=True`), and what vLLM
+logs meanwhile is kept for the start-up log check.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +22,9 @@ from vllm import LLM, SamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
 
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from refit import EngineConfig
 from refit.engine.cpu_kernel import RefitCpuFp8BlockKernel
+from refit.engine.rollout_engine import RolloutEngine
 
 pytestmark = pytest.mark.engine  # starts or imports vLLM
 
@@ -27,25 +32,48 @@ N_PROMPTS = 32
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    """One in-process engine (no engine-core subprocess), shut down after the module."""
+def started() -> Iterator[tuple[LLM, list[str]]]:
+    """One in-process engine (no engine-core subprocess), shut down after the module, and vLLM's log of its start.
+
+    The log is every line (tracebacks included) of each record a vLLM logger
+    hands to its handlers: a handler of our own would not do, since vLLM
+    re-applies its logging config while the engine starts, which replaces
+    the handlers of every `vllm` logger.
+    """
+    lines: list[str] = []
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    call_handlers = logging.Logger.callHandlers
+
+    def recording(logger: logging.Logger, record: logging.LogRecord) -> None:
+        if record.name.split(".")[0] == "vllm":
+            lines.extend(formatter.format(record).splitlines())
+        call_handlers(logger, record)
+
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        engine = LLM(
-            model=str(model_dir(tied=True, variant="fp8_block")),
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            max_model_len=128,
-            kv_cache_dtype="fp8_e4m3",
-            dtype="bfloat16",
-        )
+        env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # RolloutEngine drops it; EngineConfig sizes the cache (1 GiB)
+        with pytest.MonkeyPatch.context() as logs:
+            logs.setattr(logging.Logger, "callHandlers", recording)
+            engine = RolloutEngine(EngineConfig(model=str(model_dir(tied=True, variant="fp8_block")), max_model_len=128,
+                                                kv_cache_dtype="fp8_e4m3"))
         try:
-            yield engine
+            yield engine.llm, lines
         finally:
-            engine.llm_engine.engine_core.shutdown()
+            engine.llm.llm_engine.engine_core.shutdown()
             del engine
             cleanup_dist_env_and_memory()
+
+
+@pytest.fixture
+def llm(started: tuple[LLM, list[str]]) -> LLM:
+    return started[0]
+
+
+def test_engine_start_logs_no_chat_template_warmup_traceback(started: tuple[LLM, list[str]]) -> None:
+    """vLLM's chat-template warmup cannot run without a tokenizer; its failure is not the user's (the issue)."""
+    _, start_log = started
+    assert start_log, "no vLLM log line captured while the engine started: the capture is broken"
+    assert not [line for line in start_log if "Chat template warmup failed" in line or "Traceback" in line], start_log
 
 
 def test_fp8_block_linears_run_on_a_kernel_this_cpu_has(llm: LLM) -> None:

@@ -47,12 +47,20 @@ def test_every_problem_is_reported_at_once():
     assert all(name in str(error.value) for name in ("bucket_bytes", "quantize_on", "timeout_s"))
 
 
-def test_engine_config_refuses_a_missing_model_directory_at_once(tmp_path):
-    """Found: a wrong path failed after ~10 s with Hugging Face's 'Repo id must be in the form'."""
-    with pytest.raises(ConfigError, match=r"model='/nonexistent/model' does not exist"):
-        EngineConfig(model="/nonexistent/model")
+def test_engine_config_refuses_a_missing_model_directory_where_the_engine_starts(tmp_path):
+    """Found: a wrong path failed after ~10 s with Hugging Face's 'Repo id must be in the form'.
+
+    The directory is checked on the engine's node (the engines call `check_model_directory` first):
+    the driver may not have the checkpoint at all.
+    """
+    elsewhere = EngineConfig(model="/nonexistent/model")  # the driver need not have it
+    with pytest.raises(ConfigError, match=r"model='/nonexistent/model' does not exist on this node"):
+        elsewhere.check_model_directory()
     with pytest.raises(ConfigError, match="has no config.json"):
-        EngineConfig(model=str(tmp_path))
+        EngineConfig(model=str(tmp_path)).check_model_directory()
+    EngineConfig(model=MODEL).check_model_directory()
+    with pytest.raises(ConfigError, match=r"model=None: expected the path"):
+        EngineConfig(model=None)
     with pytest.raises(ConfigError, match=r"extra sets \['gpu_memory_utilization'\]"):
         EngineConfig(model=MODEL, extra={"gpu_memory_utilization": 0.5})
     with pytest.raises(ConfigError, match="memory_fraction=2"):

@@ -146,3 +146,58 @@ def test_ipc_on_a_machine_without_cuda_is_refused_naming_who_lacks_it():
         pytest.skip("this machine has CUDA")
     with pytest.raises(TransportError, match=r"transport='ipc' needs CUDA, and the trainer has no CUDA device"):
         IpcSender(keep=2)
+
+
+def test_a_class_passed_for_an_actor_is_refused_naming_it():
+    from actors import RolloutActor, TrainerActor
+
+    with pytest.raises(ConfigError, match=r"trainer is the class TrainerActor, not an actor: pass the handle TrainerActor\.remote"):
+        Syncer(TrainerActor, RolloutActor)
+    trainer, replicas = setup()
+    with pytest.raises(ConfigError, match=r"rollout 1 is the class RolloutActor") as error:
+        Syncer(trainer, [replicas[0], RolloutActor])
+    assert "rollout 0" not in str(error.value)
+
+
+def test_the_death_of_a_member_is_raised_whichever_of_its_echoes_came_first():
+    """A broken gloo pair, a lost object or a missed deadline, each an echo of one dead rank: the rank is named."""
+    from refit.errors import ActorDiedError, SyncTimeoutError
+    from refit.orchestration.syncer import _named_cause
+
+    for echo in (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"),
+                 SyncTimeoutError("rollout 0: load_bucket did not answer within 20 s"),
+                 ActorDiedError("trainer rank 0 died or is unreachable (stream_buckets): ObjectLostError: ...", "trainer rank 0")):
+        echo.add_note("rollout 0: refusing to serve")
+        dead = ActorDiedError("trainer rank 1 died or is unreachable (__ray_ready__): ActorDiedError: killed", "trainer rank 1")
+        cause = _named_cause(echo, [dead])
+        assert cause is dead and cause.who == "trainer rank 1"
+        assert f"echo of it: {type(echo).__name__}: {str(echo).splitlines()[0]}" in cause.__notes__
+        assert "rollout 0: refusing to serve" in cause.__notes__
+    # An error that already names a dead member stays; other dead members are notes.
+    named = ActorDiedError("rollout 2 died or is unreachable (load_bucket): ActorDiedError: killed", "rollout 2")
+    also = ActorDiedError("rollout 1 died or is unreachable (__ray_ready__): ActorDiedError: killed", "rollout 1")
+    assert _named_cause(named, [also, ActorDiedError("rollout 2 died", "rollout 2")]) is named
+    assert any(note.startswith("also dead: ActorDiedError: rollout 1 died") for note in named.__notes__)
+    plain = ValueError("nothing died")
+    assert _named_cause(plain, []) is plain
+    # Relayed by a replica (Ray wraps it, keeping the original as `cause`): the original, unwrapped, with the notes.
+    fetched = ActorDiedError("trainer rank 1 died or is unreachable (stream_buckets): ActorDiedError: ...", "trainer rank 1")
+    relayed = RuntimeError("ray::RolloutActor.load_bucket() ...")
+    relayed.cause = fetched
+    relayed.add_note("rollout 1: refusing to serve")
+    cause = _named_cause(relayed, [ActorDiedError("trainer rank 1 died", "trainer rank 1")])
+    assert cause is fetched and cause.__notes__ == ["rollout 1: refusing to serve"]
+
+
+def test_only_verification_failures_count_as_failed_verifications(monkeypatch):
+    """A dead replica is an EngineError, not a failed check."""
+    import refit.orchestration.syncer as syncer_module
+    from refit.errors import VerificationError
+
+    recorded = []
+    monkeypatch.setattr(syncer_module, "record_failure", lambda verification_failed: recorded.append(verification_failed))
+    for failure, counted in ((EngineError("rollout 0 died"), False), (VerificationError("bucket 1 arrived altered"), True)):
+        trainer, replicas = setup(finish=failure)
+        with pytest.raises(type(failure)):
+            Syncer(trainer, replicas, CONFIG).sync()
+        assert recorded.pop() is counted

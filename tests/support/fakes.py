@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from refit import EngineError, SyncConfig
-from refit.engine.lifecycle import UpdateLifecycle
+from refit.engine.lifecycle import FinishedUpdate, UpdateLifecycle
 from refit.orchestration import RolloutModelInfo, checkpoint_tensors, describe_weights, loadable_tensors, produce_buckets
 
 FP8_BLOCK = {
@@ -99,7 +99,7 @@ class FakeReplica:
         self._raise("finish")
         self.weights.update(self._pending)
         self.lifecycle.finished(sync_id, version)
-        return 0.0, []
+        return FinishedUpdate(0.0)
 
     def abort_update(self, sync_id, reason):
         return self.lifecycle.failed(sync_id, reason)

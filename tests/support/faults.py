@@ -10,7 +10,7 @@ import ray
 
 import refit
 
-__all__ = ["kill_during_syncs"]
+__all__ = ["die_at", "kill_during_syncs"]
 
 
 def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: type[BaseException], match: str,
@@ -26,3 +26,18 @@ def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: ty
             syncer.sync()
     assert time.monotonic() - start < within_s
     return raised.value
+
+
+def die_at(rank, method: str, call: int) -> None:
+    """Run in a `TrainerRank` (`run_in`): its process exits at its `call`-th call of its source's `method`, a crash at a chosen point."""
+    import os
+
+    original, calls = getattr(rank.source, method), [0]
+
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            os._exit(1)
+        return original(*args, **kwargs)
+
+    setattr(rank.source, method, dying)

@@ -73,17 +73,74 @@ def assert_serves(replicas, trainer, version=None):
     assert all(got == served[0] for got in served)  # the replicas serve bit-identical weights
 
 
+@ray.remote
+class SlowStartingTrainer:
+    """A trainer whose constructor takes `delay_s` (a large model loading), then fails if `failure` is given.
+
+    Its weights are those of `trainers[0]` (the same seeded re-initialization as `TrainerActor`'s).
+    """
+
+    def __init__(self, checkpoint: str, delay_s: float, failure: str | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        time.sleep(delay_s)
+        if failure:
+            raise RuntimeError(failure)
+        torch.manual_seed(1)
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint)).to(torch.bfloat16)
+
+    def weight_metadata(self):
+        return refit.describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        yield from refit.produce_buckets(plan, refit.checkpoint_tensors(self.model))
+
+
+def slow_trainer(module_actors, delay_s: float, failure: str | None = None):
+    options = {"num_cpus": 0, "resources": {"node0": 0.01}}
+    return module_actors.keep(SlowStartingTrainer.options(**options).remote(str(model_dir(True, "bf16")), delay_s, failure))
+
+
+def test_a_sync_started_with_its_actors_waits_for_their_start_then_keeps_its_deadline(replicas, trainers, module_actors):
+    """First in the module, so the replicas' engines start alongside: the 3 s deadline starts once everyone is up."""
+    trainer = slow_trainer(module_actors, 8.0)
+    report = refit.Syncer(trainer, replicas, refit.SyncConfig(timeout_s=3)).sync()
+    assert report.startup_seconds > 7.0, report.summary()
+    assert report.total_seconds < report.startup_seconds  # the sync itself excludes the wait
+    assert "waited" in report.summary()
+    assert_serves(replicas, trainers[0], report.version)  # the same weights as trainers[0]
+
+
+def test_an_actor_that_fails_to_start_fails_the_sync_at_once_with_its_own_error(replicas, module_actors):
+    [status(r) for r in replicas]  # up: the clock below is about the trainer
+    trainer = slow_trainer(module_actors, 0.0, failure="shard 3 of the checkpoint is truncated")
+    start = time.monotonic()
+    died = r"the trainer died or is unreachable \(starting\).*shard 3 of the checkpoint is truncated"
+    with pytest.raises(refit.ActorDiedError, match=died):
+        refit.Syncer(trainer, replicas).sync()  # the default start-up deadline is 30 minutes
+    assert time.monotonic() - start < 60
+    assert all(status(r).phase is not Phase.UPDATING for r in replicas)
+
+
+def test_an_actor_still_starting_at_the_startup_deadline_is_named(replicas, module_actors):
+    trainer = slow_trainer(module_actors, 600.0)
+    with pytest.raises(refit.SyncTimeoutError, match=r"the trainer did not finish starting within 2 s \(SyncConfig.startup_timeout_s\)"):
+        refit.Syncer(trainer, replicas, refit.SyncConfig(startup_timeout_s=2)).sync()
+
+
+def test_a_replica_on_a_node_without_the_checkpoint_fails_the_sync_naming_it(replicas, trainers, module_actors):
+    """The directory is checked where the engine starts; the driver may have no copy of it (no shared storage)."""
+    lost = module_actors.rollout("/nonexistent/rollout-checkpoint", node=2, load_format="dummy")
+    served = [status(r).served_version for r in replicas]
+    with pytest.raises(refit.ActorDiedError, match=r"rollout 2 died or is unreachable \(starting\).*"
+                       r"model='/nonexistent/rollout-checkpoint' does not exist on this node"):
+        refit.Syncer(trainers[0], [*replicas, lost], FAST).sync()
+    assert [status(r).served_version for r in replicas] == served  # nothing began
+
+
 def test_the_two_trainers_are_told_apart(trainers):
     a, b = (ray.get(t.generate.remote(PROMPTS, NEW_TOKENS)) for t in trainers)
     assert agreement(a, b) < 0.55
-
-
-def test_a_dummy_replica_refuses_to_generate_before_its_first_sync_and_stays_usable(replicas, trainers):
-    """Finding 2b: a generate on dummy FP8 scales raised inside vLLM and wedged the engine for good."""
-    with pytest.raises(refit.ReplicaRefusingError, match="load_format='dummy'.*run a sync first"):
-        ray.get(replicas[0].generate.remote(PROMPTS, NEW_TOKENS), timeout=30)
-    report = refit.Syncer(trainers[0], replicas, FAST).sync()
-    assert_serves(replicas, trainers[0], report.version)
 
 
 @pytest.mark.parametrize("bad", [VOCAB_SIZE, -1, 10**9])
@@ -141,7 +198,7 @@ def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replica
     liar = module_actors.keep(DroppingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16")), "model.layers.1.mlp.down_proj.weight"))
     missing = r"did not deliver 2 tensor\(s\) of the plan: model\.layers\.1\.mlp\.down_proj\.weight, .*weight_scale"
-    with pytest.raises(refit.InvalidTensorError, match=missing):
+    with pytest.raises(refit.VerificationError, match=missing):
         refit.Syncer(liar, replicas, FAST).sync()
     assert all(status(r).phase is Phase.REFUSING for r in replicas)
     unverified = dataclasses.replace(FAST, verify="off")
@@ -411,9 +468,13 @@ def test_a_hung_replica_fails_the_sync_by_name_and_recovers_by_itself(replicas, 
 
 def test_a_replica_killed_mid_stream_fails_the_sync_and_the_survivors_recover(replicas, trainers, module_actors):
     doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    ray.get(doomed.__ray_ready__.remote(), timeout=600)  # its engine started: the deadlines below are about it
+    # Finding 2b: a generate on dummy FP8 scales raised inside vLLM and wedged the engine for good.
+    with pytest.raises(refit.ReplicaRefusingError, match="load_format='dummy'.*run a sync first"):
+        ray.get(doomed.generate.remote(PROMPTS, NEW_TOKENS), timeout=30)
     syncer = refit.Syncer(trainers[0], [*replicas, doomed],
                           refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20))
-    syncer.sync()  # all three started and serving
+    assert_serves([*replicas, doomed], trainers[0], syncer.sync().version)  # the refusal left it usable
     error = kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.EngineError, match="rollout 2 died")
     notes = "\n".join(error.__notes__)
     assert "rollout 2: could not be reached to abort" in notes

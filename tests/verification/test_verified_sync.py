@@ -102,7 +102,7 @@ def test_a_bucket_altered_in_transit_fails_naming_the_tensor(broken):
     refit.sync(trainer, replica)  # serving a whole version: the failure below must not half-load it
     ray.get(trainer.set_fault.remote("alter"))
     altered = rf"arrived altered \(CRC-32 differs from the sender's\) in: {LAYER0_GATE}; nothing of it was loaded"
-    with pytest.raises(refit.InvalidTensorError, match=altered):
+    with pytest.raises(refit.VerificationError, match=altered):
         refit.sync(trainer, replica)
     status = ray.get(replica.status.remote())
     assert status.phase is Phase.SERVING and status.served_version == 1  # bucket 0 was refused: nothing changed
@@ -110,7 +110,7 @@ def test_a_bucket_altered_in_transit_fails_naming_the_tensor(broken):
 
 def test_a_skipped_tensor_fails_naming_it(broken):
     trainer, replica = tampering(broken, "skip")
-    with pytest.raises(refit.InvalidTensorError, match=rf"did not deliver 2 tensor\(s\) of the plan: {LAYER0_GATE}, {LAYER0_GATE}_scale"):
+    with pytest.raises(refit.VerificationError, match=rf"did not deliver 2 tensor\(s\) of the plan: {LAYER0_GATE}, {LAYER0_GATE}_scale"):
         refit.sync(trainer, replica)
     assert_refusing(replica)
 
@@ -125,7 +125,7 @@ def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(br
         ray.get(replica.load_bucket.remote("manual", version, [ref]))
     run_in(replica, double_weight_scale, "model.layers.1.mlp.down_proj")
     wrong = r"differ from what the sync sent, in 1 place\(s\): model\.layers\.1\.mlp\.down_proj\.weight_scale"
-    with pytest.raises(refit.EngineError, match=wrong):
+    with pytest.raises(refit.VerificationError, match=wrong):
         ray.get(replica.finish_update.remote("manual", version))
     ray.get(replica.abort_update.remote("manual", "test"))
     assert_refusing(replica)
@@ -140,6 +140,6 @@ def test_the_probe_catches_what_checksums_cannot_and_fails_or_flags_as_configure
     assert ray.get(flagged.status.remote()).phase is Phase.SERVING  # flagged, not failed
 
     failing = flagged
-    with pytest.raises(refit.EngineError, match="the logprob probe after the refit failed: probe BREACHED"):
+    with pytest.raises(refit.VerificationError, match="the logprob probe after the refit failed: probe BREACHED"):
         refit.Syncer(trainer, failing, refit.SyncConfig(verify="probe")).sync()
     assert_refusing(failing)

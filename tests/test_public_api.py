@@ -1,0 +1,58 @@
+"""The public API is the contract: what `refit` exports is visible to type checkers, and the actors implement the protocols.
+
+Pure source inspection: no Ray, no vLLM.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import refit
+from refit.protocols import RolloutReplica, WeightSource
+
+ROOT = Path(refit.__file__).parent
+
+
+def test_every_lazy_name_is_also_imported_for_type_checkers_and_resolves():
+    tree = ast.parse((ROOT / "__init__.py").read_text())
+    typed = {alias.name for node in ast.walk(tree) if isinstance(node, ast.If)
+             for stmt in ast.walk(node) if isinstance(stmt, ast.ImportFrom) for alias in stmt.names}
+    assert typed == set(refit._LAZY)
+    for name in refit.__all__:
+        assert getattr(refit, name) is not None, name
+
+
+def test_the_package_is_marked_typed():
+    assert (ROOT / "py.typed").is_file()
+
+
+def test_the_config_enums_are_exported_together():
+    assert {refit.Verify.PROBE, refit.Transport.COLLECTIVE, refit.Pause.ABORT, refit.QuantizeOn.ROLLOUT}
+
+
+def _methods(protocol: type) -> list[str]:
+    return [n for n in protocol.__dict__ if not n.startswith("_") and callable(getattr(protocol, n))]
+
+
+def _actor_classes():
+    from actors import AsyncRolloutActor, RolloutActor, TrainerActor, TrainerRank
+
+    return [pytest.param(protocol, actor, id=f"{actor.__ray_metadata__.class_name}-{protocol.__name__}")
+            for protocol, actor in [(WeightSource, TrainerActor), (WeightSource, TrainerRank),
+                                    (RolloutReplica, RolloutActor), (RolloutReplica, AsyncRolloutActor)]]
+
+
+@pytest.mark.parametrize(("protocol", "actor"), _actor_classes())
+def test_the_actors_implement_their_protocol_method_by_method(protocol, actor):
+    cls = actor.__ray_metadata__.modified_class
+    for name in _methods(protocol):
+        declared, implemented = inspect.signature(getattr(protocol, name)), inspect.signature(getattr(cls, name))
+        # Every parameter of the protocol, in its order and with its default; an implementation may take more.
+        wanted = [(p.name, p.default) for p in declared.parameters.values()]
+        given = [(p.name, p.default) for p in implemented.parameters.values()][: len(wanted)]
+        assert given == wanted, (cls.__name__, name, str(implemented))
+        assert implemented.return_annotation == declared.return_annotation, (cls.__name__, name, str(implemented))
