@@ -16,14 +16,17 @@ from collections.abc import Iterator
 import pytest
 
 from fixtures.cluster import QUIET_ENV
+from tests.support.names import NAMESPACE, SHARED_REPLICAS
 
 NODES = 3
-NAMESPACE = "refit-tests"
+
+
+CLUSTER_FIXTURES = {"ray_cluster", "actors_factory", "module_actors", "shared_replicas", "moe_checkpoint_replica"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if {"ray_cluster", "actors_factory", "module_actors"} & set(getattr(item, "fixturenames", ())):
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
 
 
@@ -88,6 +91,49 @@ def actors_factory(ray_cluster) -> Iterator[ActorFactory]:
 def module_actors(ray_cluster) -> Iterator[ActorFactory]:
     """Actors shared by the tests of one module (an engine costs ~20 s to start)."""
     yield from _actors()
+
+
+@pytest.fixture(scope="session")
+def shared_replicas(ray_cluster) -> Iterator[list]:
+    """Two FP8_BLOCK replicas started the README's way (dummy load, FP8 KV cache) on nodes 1 and 2, for the session.
+
+    An engine costs ~15 s to start, and most fault and sync tests prove nothing
+    new by owning one, so modules share these. Named (`SHARED_REPLICAS` in
+    `NAMESPACE`) so that another driver process can reach them. The contract
+    of a user: its first sync makes them whole again (a failed sync may have
+    left them refusing); it never kills them, never leaves an update open past
+    its test, and never relies on their version numbers, only on versions it
+    saw. A test that needs a replica that never served (a dummy replica's
+    placeholder scales, its refusal before the first sync) starts its own.
+    """
+    factory = ActorFactory()
+    try:
+        yield [factory.rollout(_fixture_model("fp8_block"), node=n, name=name, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+               for n, name in zip((1, 2), SHARED_REPLICAS)]
+    finally:
+        factory.kill_all()
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint_replica(ray_cluster) -> Iterator[object]:
+    """A replica serving the Qwen3-MoE fixture's llmcompressor FP8_BLOCK checkpoint as loaded (node 1, bf16 KV cache).
+
+    The reference for what that checkpoint serves, shared by the modules that
+    compare against it: no user may sync it (a refused plan leaves it as is).
+    """
+    from fixtures import model_dir
+
+    factory = ActorFactory()
+    try:
+        yield factory.rollout(model_dir(False, "fp8_block", arch="qwen3_moe"), node=1)
+    finally:
+        factory.kill_all()
+
+
+def _fixture_model(variant: str) -> str:
+    from fixtures import model_dir
+
+    return str(model_dir(True, variant))
 
 
 # For tests that start a plain `vllm.LLM` in the test process (no refit, so no

@@ -54,7 +54,7 @@ def test_plan_with_a_bad_bucket_size_names_the_setting(capsys):
     assert "bucket_bytes=0" in capsys.readouterr().err
 
 
-def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, ray_cluster):
+def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, shared_replicas, ray_cluster):
     """Run as a user would, from another process on the cluster's machine."""
     import subprocess
     import sys
@@ -62,10 +62,10 @@ def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance
     import ray
 
     import refit
+    from tests.support.names import NAMESPACE, SHARED_REPLICAS
 
     trainer = module_actors.trainer(model_dir(True, "bf16"))
-    rollout = module_actors.rollout(model_dir(True, "fp8_block"), name="inspected", load_format="dummy",
-                                    kv_cache_dtype="fp8_e4m3")
+    rollout = shared_replicas[0]
     report = refit.sync(trainer, rollout)
     ray.get(rollout.status.remote())
 
@@ -76,7 +76,7 @@ def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance
         return result.stdout
 
     shown = {r["name"]: r for r in json.loads(inspect("--json"))}
-    mine = shown["refit-tests/inspected"]
+    mine = shown[f"{NAMESPACE}/{SHARED_REPLICAS[0]}"]
     assert mine["status"] == {"phase": "serving", "served_version": report.version, "reason": None, "sync_id": None}
     assert mine["last_update"]["outcome"] == "served" and mine["last_update"]["version"] == report.version
     assert mine["last_update"]["buckets"] == report.buckets
@@ -85,5 +85,5 @@ def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance
     assert sources[("model.layers.0.mlp.down_proj", "weight_scale")] == "refit"
 
     text = inspect()
-    assert "refit-tests/inspected on node" in text and f"serving v{report.version}" in text
+    assert f"{NAMESPACE}/{SHARED_REPLICAS[0]} on node" in text and f"serving v{report.version}" in text
     assert "model.layers.1.self_attn.attn" in text

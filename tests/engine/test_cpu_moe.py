@@ -60,8 +60,8 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
-def test_fp8_block_moe_serves_what_vllms_bf16_moe_serves_on_the_dequantized_weights(actors_factory, tmp_path):
-    fp8 = actors_factory.rollout(MOE_FP8, node=1)
+def test_fp8_block_moe_serves_what_vllms_bf16_moe_serves_on_the_dequantized_weights(actors_factory, moe_checkpoint_replica, tmp_path):
+    fp8 = moe_checkpoint_replica  # MOE_FP8 as loaded
     bf16 = actors_factory.rollout(write_dequantized(MOE_FP8, tmp_path / "dequantized"), node=2)
     original = actors_factory.rollout(model_dir(False, "bf16", arch="qwen3_moe"), node=0)
 

@@ -59,13 +59,14 @@ def test_dummy_fp8_rollout_matches_a_fresh_engine_on_llmcompressors_checkpoint(a
             }
 
 
-def test_moe_trainer_with_another_expert_count_is_refused_and_the_replica_keeps_serving(actors_factory, tmp_path):
+def test_moe_trainer_with_another_expert_count_is_refused_and_the_replica_keeps_serving(actors_factory, moe_checkpoint_replica,
+                                                                                       tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir(False, "bf16", arch="qwen3_moe"))
     config.num_experts = 8
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "eight-experts")
-    replica = actors_factory.rollout(model_dir(False, "fp8_block", arch="qwen3_moe"), node=1)
+    replica = moe_checkpoint_replica  # serving its checkpoint's weights, never synced
     before = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS))
 
     with pytest.raises(refit.PlanMismatchError) as error:

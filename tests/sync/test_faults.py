@@ -30,11 +30,8 @@ FAST = refit.SyncConfig(timeout_s=20)
 
 
 @pytest.fixture(scope="module")
-def replicas(module_actors):
-    return [
-        module_actors.rollout(model_dir(True, "fp8_block"), node=n, load_format="dummy", kv_cache_dtype="fp8_e4m3")
-        for n in (1, 2)
-    ]
+def replicas(shared_replicas):
+    return shared_replicas
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +99,7 @@ def slow_trainer(module_actors, delay_s: float, failure: str | None = None):
 
 
 def test_a_sync_started_with_its_actors_waits_for_their_start_then_keeps_its_deadline(replicas, trainers, module_actors):
-    """First in the module, so the replicas' engines start alongside: the 3 s deadline starts once everyone is up."""
+    """The replicas' engines start alongside when this module is their first user: the 3 s deadline starts once all are up."""
     trainer = slow_trainer(module_actors, 8.0)
     report = refit.Syncer(trainer, replicas, refit.SyncConfig(timeout_s=3)).sync()
     assert report.startup_seconds > 7.0, report.summary()
@@ -314,7 +311,7 @@ DRIVER = """
 import sys, time
 import ray, torch, refit
 ray.init(address=sys.argv[1])
-replicas = [ray.get_actor(name, namespace="refit-tests") for name in sys.argv[2:]]
+replicas = [ray.get_actor(name, namespace=sys.argv[2]) for name in sys.argv[3:]]
 
 @ray.remote(num_cpus=0)
 class SlowTrainer:
@@ -333,21 +330,19 @@ refit.Syncer(trainer, replicas, refit.SyncConfig(bucket_bytes=64 << 10, timeout_
 """
 
 
-def test_a_killed_driver_mid_stream_strands_no_replica(module_actors, trainers, ray_cluster, tmp_path):
+def test_a_killed_driver_mid_stream_strands_no_replica(replicas, trainers, ray_cluster, tmp_path):
     """The replicas close an update whose sync stopped calling, within its deadline (8 s here)."""
     import signal
     import subprocess
     import sys
 
-    names = ["faults-orphan-0", "faults-orphan-1"]
-    orphans = [
-        module_actors.rollout(model_dir(True, "fp8_block"), node=n, name=name, load_format="dummy", kv_cache_dtype="fp8_e4m3")
-        for n, name in zip((1, 2), names)
-    ]
+    from tests.support.names import NAMESPACE, SHARED_REPLICAS
+
+    names, orphans = SHARED_REPLICAS, replicas  # named: the driver below finds them by name
     refit.Syncer(trainers[0], orphans, FAST).sync()
     script = tmp_path / "driver.py"
     script.write_text(DRIVER % str(model_dir(True, "bf16")))
-    driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, *names])
+    driver = subprocess.Popen([sys.executable, str(script), ray_cluster.address, NAMESPACE, *names])
     try:
         deadline = time.monotonic() + 120
         while not all(status(r).phase is Phase.UPDATING for r in orphans):

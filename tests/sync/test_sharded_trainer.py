@@ -35,9 +35,9 @@ def serve(replica):
 
 
 @pytest.fixture(scope="module")
-def replicas(module_actors):
-    """Two dummy-loaded FP8 replicas for the module: every test's first sync makes them whole again."""
-    return [module_actors.rollout(model_dir(True, "fp8_block"), node=n, **FP8_DUMMY) for n in (1, 2)]
+def replicas(shared_replicas):
+    """The session's two dummy-loaded FP8 replicas: every test's first sync makes them whole again."""
+    return shared_replicas
 
 
 def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(replicas, actors_factory, ray_cluster, tmp_path):
