@@ -174,7 +174,7 @@ def kill_mid_broadcast(sync_trainer, replicas, victim, match: str) -> None:
     small = refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10)
     syncer = refit.Syncer(sync_trainer, replicas, small)
     syncer.sync()
-    kill_during_syncs(syncer, victim, after_s=0.2, error=refit.EngineError, match=match)
+    kill_during_syncs(syncer, victim, after_s=0.2, error=refit.ActorDiedError, match=match)
 
 
 def assert_recovers(trainer, replicas) -> None:
