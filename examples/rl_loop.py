@@ -80,6 +80,8 @@ def run(trainer, rollouts, *, rounds: int, prompts_per_round: int, group: int, w
     # `transport`: "ray" (the object store) or "collective" (a broadcast group straight into vLLM's workers).
     config = refit.SyncConfig(bucket_bytes=bucket_bytes, verify="probe", on_probe_breach="flag", transport=transport)
     syncer = refit.Syncer(trainer, rollouts, config)
+    # The engines started while the trainer warmed up; waiting for them here keeps every round's sync time its own.
+    print(f"rollout engines up (waited {syncer.wait_until_started():.1f} s after the warm-up)", flush=True)
     held_out = make_prompts(64, PROMPT_LEN, seed=99_999)
     history = []
     for index in range(rounds):
