@@ -209,7 +209,7 @@ def remote_error(error: Exception, who: str, method: str) -> Exception:
 
 
 def wait_until_started(
-    targets: Sequence[tuple[str, Any]], *, timeout_s: float, on_started: Callable[[int, int], None] | None = None
+    targets: Sequence[tuple[str, Any]], *, timeout_s: float, on_started: Callable[[], None] | None = None
 ) -> float:
     """Wait until every actor among `targets` has finished its constructor; returns the seconds waited.
 
@@ -219,13 +219,13 @@ def wait_until_started(
     fail a healthy first sync, so the start-up has its own deadline and the
     sync's deadlines start once every actor is up. An actor whose
     constructor fails ends the wait at once, named, with its own error.
-    `on_started(done, total)` is told of each actor that is up.
+    `on_started()` is called once for each actor that is up.
     """
     import ray
 
     start = time.monotonic()
     waiting = {target.__ray_ready__.remote(): who for who, target in targets if is_actor(target)}
-    total, announced = len(waiting), False
+    announced = False
     while waiting:
         remaining = start + timeout_s - time.monotonic()
         if remaining <= 0:
@@ -244,7 +244,7 @@ def wait_until_started(
             except Exception as error:
                 raise remote_error(error, who, "starting") from None
             if on_started is not None:
-                on_started(total - len(waiting), total)
+                on_started()
     return time.monotonic() - start
 
 

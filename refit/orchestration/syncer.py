@@ -129,7 +129,7 @@ class Syncer:
             return 0.0
         with _progress_bar(self.config.progress, len(self._sources) + len(self._replicas), "refit: actors started") as bar:
             seconds = wait_until_started(self._sources + self._replicas, timeout_s=self.config.startup_timeout_s,
-                                         on_started=lambda done, total: bar.update())
+                                         on_started=bar.update)
         self._started = True
         if seconds > 1.0:
             log.info("every trainer rank and replica started (waited %.1f s)", seconds)
@@ -193,7 +193,7 @@ class Syncer:
             trainer_seconds=self._trainer_seconds(),
             total_seconds=time.perf_counter() - start,
             replicas=tuple(
-                ReplicaReport(i, nodes[i], version, load_seconds[i], f.seconds, tuple(f.kv_scales_written), f.verification)
+                ReplicaReport(i, nodes[i], version, load_seconds[i], f.seconds, f.kv_scales_written, f.verification)
                 for i, f in enumerate(finished)
             ),
             begin_seconds=stages["begin"],
