@@ -33,14 +33,21 @@ NAN_TARGET = "model.layers.0.mlp.up_proj.weight"
 pytestmark = pytest.mark.soak
 
 
-def plasma_objects() -> int:
-    """Objects in the object stores of all nodes, once references dropped by this process are released."""
+def object_store_summary(**kwargs) -> str:
+    """Ray's memory summary of this test's cluster: named by address, since another Ray instance
+    (a second test session, a demo) may run on the same machine and Ray refuses to guess."""
     from ray._private.internal_api import memory_summary
 
+    return memory_summary(address=ray.get_runtime_context().gcs_address, **kwargs)
+
+
+def plasma_objects() -> int:
+    """Objects in the object stores of all nodes, once references dropped by this process are released."""
     gc.collect()
     time.sleep(2)  # reference counts reach the raylets asynchronously
-    match = re.search(r"(\d+) objects", memory_summary(stats_only=True))
-    assert match, memory_summary(stats_only=True)
+    summary = object_store_summary(stats_only=True)
+    match = re.search(r"(\d+) objects", summary)
+    assert match, summary
     return int(match.group(1))
 
 
@@ -100,9 +107,7 @@ def test_soak(module_actors, tmp_path):
           f"{growth / 2**20:.1f} MiB (bound {bound / 2**20:.1f}), plasma objects left {left}")
     assert growth < bound
     if left > 0:
-        from ray._private.internal_api import memory_summary
-
-        print(memory_summary())
+        print(object_store_summary())
     assert left <= 0
 
 
