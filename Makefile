@@ -17,6 +17,7 @@ test: env
 	$(PY) -m pytest tests
 
 bench: env
+	$(PY) -m benchmarks.bench_alternatives
 	$(PY) -m benchmarks.bench_quantizer
 	$(PY) -m benchmarks.bench_sync
 	$(PY) -m benchmarks.bench_sharded

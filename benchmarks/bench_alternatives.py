@@ -1,0 +1,285 @@
+"""refit's full sync beside what an RL stack can do without it, measured side by side in one run.
+
+Per model size (synthetic tied Qwen3, `--sizes LAYERSxHIDDEN,...`), one bf16
+trainer on node 0 and one FP8_BLOCK dummy-loaded rollout with an FP8 KV cache
+on node 1; each path is timed as the median of `--repeats` runs after a
+warm-up:
+
+- refit over `ray` and over `collective`, with checksums (the default) and
+  with `verify="off"`;
+- bf16 on the wire, quantized on the rollout (`quantize_on="rollout"`: the
+  verl and NeMo-RL pattern), through refit;
+- one remote call per tensor (`bucket_bytes=1`: every tensor travels alone,
+  the pattern of OpenRLHF's and TRL's `update_named_param`), through refit;
+- the /dev/shm round trip: the trainer quantizes with refit's own quantizer
+  and writes an FP8_BLOCK safetensors file to /dev/shm, then the engine reads
+  it back with vLLM's `reload_weights(weights_iterator=...)` (dummy-loaded
+  engines cannot reload by path: FACTS.md);
+- `clone()` of the bf16 weights in the trainer: a memory-bandwidth floor.
+
+Prints a table per size (median, speed-up over the round trip, share of clone
+bandwidth, refit's stage split from its `SyncReport`), fits seconds = fixed +
+per-GiB cost over the sizes for each path, and writes `--out`/bench.json and
+`--out`/bench.png. Only ratios measured in one run mean anything on a shared
+machine. Joins the cluster at `RAY_ADDRESS` if set (nodes carrying resources
+`node0` and `node1`, as `fixtures.cluster.local_cluster` makes), else starts
+a 2-node local one.
+
+    .venv/bin/python -m benchmarks.bench_alternatives            # 3 sizes, up to 864 MiB bf16
+    .venv/bin/python -m benchmarks.bench_alternatives --sizes 2x256 --repeats 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+import refit
+from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
+from fixtures.cluster import local_cluster
+from refit.orchestration.plan import TransferPlan
+from tests.support.actors import run_in
+
+ROUND_TRIP = "round trip (/dev/shm)"
+CLONE = "clone (bandwidth floor)"
+DEFAULT = "refit ray, checksums (default)"
+
+
+def refit_paths(bucket_bytes: int) -> dict[str, refit.SyncConfig]:
+    """Every refit configuration measured, by the name the table gives it."""
+    def config(**kwargs) -> refit.SyncConfig:
+        return refit.SyncConfig(bucket_bytes=kwargs.pop("bucket_bytes", bucket_bytes), **kwargs)
+
+    return {
+        DEFAULT: config(),
+        "refit ray, verify off": config(verify="off"),
+        "refit collective, checksums": config(transport="collective"),
+        "refit collective, verify off": config(transport="collective", verify="off"),
+        "bf16 wire, quantize on rollout": config(quantize_on="rollout"),
+        "one call per tensor": config(bucket_bytes=1),
+    }
+
+
+@dataclass
+class PathResult:
+    seconds: list[float] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # of the last run: where the time went
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass
+class SizeResult:
+    layers: int
+    hidden: int
+    bf16_bytes: int
+    fp8_wire_bytes: int
+    buckets: int
+    paths: dict[str, PathResult]
+
+
+# -- the alternatives, run inside the actors ------------------------------------------------------
+
+def write_fp8_checkpoint(trainer, plan: TransferPlan, directory: str) -> float:
+    """In the trainer: quantize every planned tensor with refit's quantizer and write one safetensors file."""
+    from safetensors.torch import save_file
+
+    from refit.orchestration.checkpoint_format import CheckpointView
+    from refit.quantizer.fp8_block import loadable_form
+
+    start = time.perf_counter()
+    view = CheckpointView(trainer.model)
+    tensors: dict[str, torch.Tensor] = {}
+    written: set[int] = set()  # a tied lm_head is the embedding itself: written once, as a checkpoint has it
+    for bucket in plan.buckets:
+        for planned in bucket:
+            for name, tensor in loadable_form(planned.target, view.tensor(planned.source).detach(), planned.block):
+                if tensor.data_ptr() not in written:
+                    written.add(tensor.data_ptr())
+                    tensors[name] = tensor
+    save_file(tensors, str(Path(directory) / "model.safetensors"))
+    return time.perf_counter() - start
+
+
+def reload_from_file(rollout, directory: str) -> float:
+    """In the rollout: vLLM's own in-place reload from the file the trainer wrote."""
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    with safe_open(str(Path(directory) / "model.safetensors"), framework="pt") as file:
+        names = file.keys()  # safe_open is not iterable itself
+        weights = ((name, file.get_tensor(name)) for name in names)
+        rollout.engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    return time.perf_counter() - start
+
+
+def clone_weights(trainer) -> float:
+    """In the trainer: copy every bf16 parameter once."""
+    start = time.perf_counter()
+    copies = [p.detach().clone() for p in trainer.model.parameters()]
+    seconds = time.perf_counter() - start
+    del copies
+    return seconds
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scratch: Path) -> SizeResult:
+    trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(scratch / f"{layers}x{hidden}", layers, hidden))
+    try:
+        syncers = {name: refit.Syncer(trainer, rollout, config) for name, config in refit_paths(bucket_bytes).items()}
+        results = {name: PathResult() for name in [*syncers, ROUND_TRIP, CLONE]}
+        for syncer in syncers.values():  # warm-up: actors started, plans made, kernels built, pages touched
+            syncer.sync()
+        shm = Path(tempfile.mkdtemp(prefix="refit-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        try:
+            plan = syncers[DEFAULT].plan()
+            for _ in range(repeats):
+                for name, syncer in syncers.items():
+                    report = syncer.sync()
+                    results[name].seconds.append(report.total_seconds)
+                    results[name].stages = stage_split(report)
+                results[CLONE].seconds.append(run_in(trainer, clone_weights))
+            # Last: vLLM's raw reload leaves placeholder KV scales that no refit stage repairs (the seed bug).
+            for _ in range(repeats):
+                write = run_in(trainer, write_fp8_checkpoint, plan, str(shm), timeout=600)
+                load = run_in(rollout, reload_from_file, str(shm), timeout=600)
+                results[ROUND_TRIP].seconds.append(write + load)
+                results[ROUND_TRIP].stages = {"write": write, "reload": load}
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        return SizeResult(layers, hidden, sum(t.source_bytes for t in plan.tensors), plan.wire_bytes,
+                          len(plan.buckets), results)
+    finally:
+        for actor in (trainer, rollout):
+            ray.kill(actor)
+
+
+def stage_split(report: refit.SyncReport) -> dict[str, float]:
+    stages = {"plan": report.plan_seconds, "begin": report.begin_seconds, "stream": report.stream_seconds,
+              "finish": report.finish_seconds}
+    if report.trainer_seconds is not None:
+        stages["trainer busy"] = report.trainer_seconds
+    if report.replicas:
+        stages["load"] = max(r.load_seconds for r in report.replicas)
+    return stages
+
+
+def fit(sizes: list[SizeResult], path: str) -> tuple[float, float] | None:
+    """Least squares seconds = fixed + per_gib * bf16 GiB; None with fewer than two sizes."""
+    if len(sizes) < 2:
+        return None
+    gib = [s.bf16_bytes / 2**30 for s in sizes]
+    seconds = [s.paths[path].median for s in sizes]
+    slope, intercept = statistics.linear_regression(gib, seconds)
+    return intercept, slope
+
+
+def table(size: SizeResult) -> str:
+    round_trip, floor = size.paths[ROUND_TRIP].median, size.paths[CLONE].median
+    lines = [f"\n{size.layers} x {size.hidden}: {size.bf16_bytes / 2**20:.0f} MiB bf16, "
+             f"{size.fp8_wire_bytes / 2**20:.0f} MiB FP8 on the wire in {size.buckets} bucket(s)",
+             f"  {'path':<32} {'median s':>9} {'vs round trip':>14} {'of clone bw':>12}  stages (last run, s)"]
+    for name, result in size.paths.items():
+        stages = ", ".join(f"{k} {v:.3f}" for k, v in result.stages.items())
+        ratio = f"{round_trip / result.median:.2f}x" if name != CLONE else ""
+        bandwidth = f"{floor / result.median:.2f}" if name not in (CLONE, ROUND_TRIP) else ""
+        lines.append(f"  {name:<32} {result.median:>9.3f} {ratio:>14} {bandwidth:>12}  {stages}")
+    return "\n".join(lines)
+
+
+def plot(sizes: list[SizeResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(sizes[0].paths)
+    fig, (seconds_ax, ratio_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
+    gib = [s.bf16_bytes / 2**30 for s in sizes]
+    for name in names:
+        seconds_ax.plot(gib, [s.paths[name].median for s in sizes], marker="o", label=name)
+    seconds_ax.set(xlabel="model size (GiB of bf16 weights)", ylabel="full sync, median (s)", title="time per full sync")
+    seconds_ax.grid(alpha=0.3)
+    seconds_ax.legend(fontsize=7)
+    compared = [n for n in names if n not in (ROUND_TRIP, CLONE)]
+    width = 0.8 / len(compared)
+    for i, name in enumerate(compared):
+        ratios = [s.paths[ROUND_TRIP].median / s.paths[name].median for s in sizes]
+        ratio_ax.bar([x + i * width for x in range(len(sizes))], ratios, width, label=name)
+    ratio_ax.axhline(1.0, color="black", linewidth=0.8)
+    ratio_ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sizes))],
+                        [f"{s.layers}x{s.hidden}\n{s.bf16_bytes / 2**20:.0f} MiB" for s in sizes])
+    ratio_ax.set(ylabel="speed-up over the /dev/shm round trip (x)", title="faster than the round trip above 1")
+    ratio_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+@contextmanager
+def cluster() -> Iterator[None]:
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    else:
+        with local_cluster(nodes=2):
+            yield
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        layers, _, hidden = item.partition("x")
+        if not (layers.isdigit() and hidden.isdigit()) or int(hidden) % 128:
+            raise SystemExit(f"--sizes: {item!r} is not LAYERSxHIDDEN with HIDDEN a multiple of 128")
+        sizes.append((int(layers), int(hidden)))
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("8x1024,8x1536,8x2048"))
+    parser.add_argument("--bucket-mib", type=float, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    results: list[SizeResult] = []
+    with tempfile.TemporaryDirectory() as scratch, cluster():
+        for layers, hidden in args.sizes:
+            results.append(measure_size(layers, hidden, int(args.bucket_mib * 2**20), args.repeats, Path(scratch)))
+            print(table(results[-1]), flush=True)
+
+    fits = {name: fit(results, name) for name in results[0].paths}
+    if len(results) > 1:
+        print("\nfitted over the sizes: seconds = fixed + per GiB of bf16 weights")
+        for name, (fixed, per_gib) in ((n, f) for n, f in fits.items() if f):
+            print(f"  {name:<32} fixed {fixed * 1e3:7.1f} ms   {per_gib:6.3f} s/GiB")
+    summary = {"sizes": [{**asdict(s), "paths": {n: {**asdict(p), "median": p.median} for n, p in s.paths.items()}}
+                         for s in results],
+               "fits": {n: {"fixed_s": f[0], "per_gib_s": f[1]} for n, f in fits.items() if f}}
+    (args.out / "bench.json").write_text(json.dumps(summary, indent=2))
+    plot(results, args.out / "bench.png")
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+
+
+if __name__ == "__main__":
+    main()
