@@ -19,6 +19,9 @@ from fixtures.cluster import QUIET_ENV
 from tests.support.names import NAMESPACE, SHARED_REPLICAS
 
 NODES = 3
+TEST_KV_CACHE_BYTES = 64 << 20
+"""A test engine's KV cache: ~2k tokens of the fixtures, ample for 128-token sequences. The library's
+CPU default (1 GiB) would hold 1 GB of memory per engine, and two test sessions may run side by side."""
 
 
 CLUSTER_FIXTURES = {"ray_cluster", "actors_factory", "module_actors", "shared_replicas", "moe_checkpoint_replica"}
@@ -54,6 +57,7 @@ class ActorFactory:
         from actors import RolloutActor
         from refit import EngineConfig
 
+        engine_kwargs.setdefault("kv_cache_bytes", TEST_KV_CACHE_BYTES)
         config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
         options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
         if name:  # reachable from another driver process with ray.get_actor(name, namespace=NAMESPACE)
