@@ -97,7 +97,7 @@ class TrainerActor:
         return self._completion_logprobs(torch.tensor(sequences), prompt_len).tolist()
 
     def policy_gradient_step(
-        self, sequences: Sequence[Sequence[int]], prompt_len: int, advantages: Sequence[float],
+        self, sequences: Sequence[Sequence[int]], prompt_len: int, advantages: Sequence[float] | Sequence[Sequence[float]],
         old_logprobs: Sequence[Sequence[float]] | None = None,
         rollout_logprobs: Sequence[Sequence[float]] | None = None,
         *, clip: float = 0.2, is_cap: float = 2.0,
@@ -106,7 +106,7 @@ class TrainerActor:
 
         `sequences` are prompt + completion token ids (all of one length),
         `advantages` one per sequence (e.g. reward minus its group's mean,
-        over the group's std). Returns the loss.
+        over the group's std) or one per completion token. Returns the loss.
 
         `old_logprobs` (per completion token, from `completion_logprobs` before
         the first step on this batch) make it PPO's clipped objective, so

@@ -84,11 +84,11 @@ SEED_BUG = "seed-bug"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup-steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=64, help="prompts in the dataset, each sampled 8 times a round")
     parser.add_argument("--rl-lr", type=float, default=3e-3)
-    parser.add_argument("--steps-per-batch", type=int, default=2)
+    parser.add_argument("--steps-per-batch", type=int, default=4)
     parser.add_argument("--plot", default="refit-demo.png", help="where to write the per-round plot (PNG)")
     parser.add_argument("--transport", default="ray", choices=["ray", "collective"],
                         help="how the weights travel: Ray's object store, or a broadcast group into vLLM's workers")
@@ -136,7 +136,7 @@ def plot(history, path: str) -> str:
              label="greedy accuracy: seed-bug replica (placeholder KV scales kept)")
     acc.set_ylabel("reward / accuracy (0-1)")
     acc.set_ylim(-0.02, 1.05)
-    acc.legend(fontsize=8, loc="center right")
+    acc.legend(fontsize=8, loc="upper left")
     bottom = [0.0] * len(history)
     for stage in ("plan", "begin", "stream", "finish"):
         values = [getattr(r.sync, f"{stage}_seconds") * 1e3 for r in history]
