@@ -136,7 +136,7 @@ def plot(history, path: str) -> str:
              label="greedy accuracy: seed-bug replica (placeholder KV scales kept)")
     acc.set_ylabel("reward / accuracy (0-1)")
     acc.set_ylim(-0.02, 1.05)
-    acc.legend(fontsize=8, loc="upper left")
+    acc.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1, 0.14))  # below the accuracy lines, above the seed bug's
     bottom = [0.0] * len(history)
     for stage in ("plan", "begin", "stream", "finish"):
         values = [getattr(r.sync, f"{stage}_seconds") * 1e3 for r in history]

@@ -161,12 +161,13 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
                 completions = generation.token_ids[p * group : (p + 1) * group]
                 logprobs = generation.logprobs[p * group : (p + 1) * group]
                 scores = [reward(prompt, c) for c in completions]
-                rewards += [statistics.fmean(s) for s in scores]
-                for completion, lps, advantage in zip(completions, logprobs, group_advantages(scores)):
-                    if len(completion) == NEW_TOKENS:  # equal lengths: one batch, no padding
-                        sequences.append(list(prompt) + list(completion))
-                        advantages.append(advantage)
-                        sampled_logprobs.append(lps)
+                rewards += [statistics.fmean(s) if s else 0.0 for s in scores]
+                # Equal lengths make one batch without padding: a completion an end-of-sequence token cut short sits out.
+                kept = [i for i, c in enumerate(completions) if len(c) == NEW_TOKENS]
+                for i, advantage in zip(kept, group_advantages([scores[i] for i in kept])):
+                    sequences.append(list(prompt) + list(completions[i]))
+                    advantages.append(advantage)
+                    sampled_logprobs.append(logprobs[i])
         # PPO-style: several steps against the policy that sampled the batch (its bf16 logprobs),
         # each token weighted by the truncated importance ratio against the FP8 rollout's logprobs.
         old = ray.get(trainer.completion_logprobs.remote(sequences, PROMPT_LEN))
