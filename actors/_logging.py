@@ -13,6 +13,11 @@ import os
 
 
 def show_refit_logs() -> None:
+    # vLLM configures its logging only when an engine starts; what it logs while being imported
+    # (on CPUs: "Triton is installed, but doesn't include CPU backend") would reach Python's
+    # last-resort handler, unformatted and whatever VLLM_LOGGING_LEVEL says.
+    if level := os.environ.get("VLLM_LOGGING_LEVEL"):
+        logging.getLogger("vllm").setLevel(level.upper())
     logger = logging.getLogger("refit")
     if logger.handlers:
         return

@@ -38,7 +38,7 @@ class TrainerActor:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.model = self.model.to(torch.bfloat16)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self._init_training(lr)
         self._stream_seconds = 0.0
         self._transport = TransportSender()
 
@@ -75,49 +75,98 @@ class TrainerActor:
         return self._stream_seconds
 
     # -- training ----------------------------------------------------------------
+    # Mixed precision as FSDP2 does it: the optimizer updates fp32 master
+    # weights and the bf16 model (what forward, backward and `stream_buckets`
+    # see) is a copy of them. An AdamW on bf16 weights would drop every update
+    # smaller than half a bf16 ulp, and the dropped part would never accumulate.
+    def _init_training(self, lr: float) -> None:
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._master = [p.detach().float().clone().requires_grad_(True) for p in self._params]
+        self.optimizer = torch.optim.AdamW(self._master, lr=lr)
+
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
         """One next-token-prediction step on `sequences`; returns the loss."""
         ids = torch.tensor(sequences)
         self.model.train()
         return self._step(self.model(input_ids=ids, labels=ids).loss)
 
+    @torch.no_grad()
+    def completion_logprobs(self, sequences: Sequence[Sequence[int]], prompt_len: int) -> list[list[float]]:
+        """Per sequence, the current policy's logprob of each completion token (after `prompt_len`)."""
+        self.model.eval()
+        return self._completion_logprobs(torch.tensor(sequences), prompt_len).tolist()
+
     def policy_gradient_step(
-        self, sequences: Sequence[Sequence[int]], prompt_len: int, advantages: Sequence[float]
+        self, sequences: Sequence[Sequence[int]], prompt_len: int, advantages: Sequence[float] | Sequence[Sequence[float]],
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        rollout_logprobs: Sequence[Sequence[float]] | None = None,
+        *, clip: float = 0.2, is_cap: float = 2.0,
     ) -> float:
         """One policy-gradient step (GRPO-style): raise the log-likelihood of each completion by its advantage.
 
         `sequences` are prompt + completion token ids (all of one length),
         `advantages` one per sequence (e.g. reward minus its group's mean,
-        over the group's std). Returns the loss.
+        over the group's std) or one per completion token. Returns the loss.
+
+        `old_logprobs` (per completion token, from `completion_logprobs` before
+        the first step on this batch) make it PPO's clipped objective, so
+        several steps can be taken on one batch. `rollout_logprobs` (what the
+        rollout that sampled the tokens returned) add truncated importance
+        sampling: each token's loss is weighted by min(p_trainer / p_rollout,
+        `is_cap`), which corrects for the FP8 rollout sampling from a slightly
+        different distribution than the bf16 policy being trained.
         """
         ids = torch.tensor(sequences)
-        weights = torch.tensor(advantages, dtype=torch.float32)
+        adv = torch.tensor(advantages, dtype=torch.float32)
+        adv = adv[:, None] if adv.dim() == 1 else adv  # per sequence, or per completion token
         self.model.train()
-        logits = self.model(input_ids=ids).logits[:, prompt_len - 1 : -1].float()
-        logprobs = logits.log_softmax(-1).gather(2, ids[:, prompt_len:, None])[..., 0]
-        return self._step(-(weights[:, None] * logprobs).mean())
+        logprobs = self._completion_logprobs(ids, prompt_len)
+        if old_logprobs is None:
+            objective = adv * logprobs
+            old = logprobs.detach()
+        else:
+            old = torch.tensor(old_logprobs, dtype=torch.float32)
+            ratio = (logprobs - old).exp()
+            objective = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+        if rollout_logprobs is not None:
+            objective = objective * (old - torch.tensor(rollout_logprobs, dtype=torch.float32)).exp().clamp(max=is_cap)
+        return self._step(-objective.mean())
 
     def set_learning_rate(self, lr: float) -> None:
         """Change the optimizer's learning rate (e.g. from a supervised warm-up to RL)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def _completion_logprobs(self, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        logits = self.model(input_ids=ids).logits[:, prompt_len - 1 : -1].float()
+        return logits.log_softmax(-1).gather(2, ids[:, prompt_len:, None])[..., 0]
+
     def _step(self, loss: torch.Tensor) -> float:
         loss.backward()
+        for master, param in zip(self._master, self._params):
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for master, param in zip(self._master, self._params):
+                param.copy_(master)  # the bf16 copy the next forward and the next sync see
         return float(loss.detach())
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8) -> list[list[int]]:
         """Greedy continuations of the current policy, the reference a rollout should reproduce."""
         self.model.eval()
-        out = []
-        for prompt in prompts:
-            ids = torch.tensor([list(prompt)])
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
+        out: list[list[int]] = [[] for _ in prompts]
+        for indices in by_length.values():  # prompts of one length make one batch, no padding
+            ids = torch.tensor([list(prompts[i]) for i in indices])
             generated = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens, do_sample=False,
             )
-            out.append(generated[0, ids.shape[1] :].tolist())
+            for i, row in zip(indices, generated[:, ids.shape[1] :].tolist()):
+                out[i] = row
         return out
