@@ -14,7 +14,7 @@ demo: env
 
 test: env
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 bench: env
 	$(PY) -m benchmarks.bench_alternatives

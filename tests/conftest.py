@@ -7,6 +7,8 @@ fixture, which kills them when the test ends (a vLLM engine holds ~1 GB).
 
 Tests that start Ray or vLLM carry the `engine` marker (added here for every
 test that uses the cluster); `pytest -m "not engine"` is the fast tier.
+`make test` runs the modules on two pytest-xdist workers, each with a cluster
+of its own (session fixtures are per worker); a module never spans two.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
+    # Engine modules first: `make test` hands whole modules to two workers in this order (pytest-xdist,
+    # --dist loadfile), so the minute-long ones start early and the fast tier fills the gaps at the end.
+    items.sort(key=lambda item: item.get_closest_marker("engine") is None)
 
 
 @pytest.fixture(scope="session")
