@@ -36,8 +36,8 @@ from refit.engine.async_engine import AsyncRolloutEngine, Completion
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError, VerificationError
-from refit.orchestration.config import Pause, SyncConfig, Verify
-from refit.orchestration.plan import RolloutModelInfo, TransferPlan
+from refit.plan.config import Pause, SyncConfig, Verify
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents

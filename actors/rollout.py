@@ -25,9 +25,9 @@ from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycl
 from refit.engine.rollout_engine import Generation, RolloutEngine
 from refit.errors import ConfigError, SyncTimeoutError, VerificationError
 from refit.orchestration.calls import remote_error
-from refit.orchestration.config import Pause, SyncConfig, Verify
-from refit.orchestration.data_path import loadable_tensors
-from refit.orchestration.plan import RolloutModelInfo, TransferPlan
+from refit.plan.config import Pause, SyncConfig, Verify
+from refit.plan.data_path import loadable_tensors
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, format_table, to_json
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket

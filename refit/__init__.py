@@ -46,14 +46,13 @@ from refit.errors import (
 if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type checkers and IDEs
     from refit.engine.config import EngineConfig
     from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
-    from refit.orchestration import (
+    from refit.orchestration import Syncer, SyncReport, sync
+    from refit.plan import (
         CheckpointView,
         Pause,
         QuantizeOn,
         RolloutModelInfo,
         SyncConfig,
-        Syncer,
-        SyncReport,
         TensorMeta,
         TransferPlan,
         Transport,
@@ -61,7 +60,6 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
         checkpoint_tensors,
         describe_weights,
         produce_buckets,
-        sync,
     )
     from refit.protocols import RolloutReplica, ShardedWeightSource, WeightSource
     from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
@@ -71,20 +69,20 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
 _LAZY = {
     "sync": "refit.orchestration",
     "Syncer": "refit.orchestration",
-    "SyncConfig": "refit.orchestration",
-    "QuantizeOn": "refit.orchestration",
-    "Transport": "refit.orchestration",
-    "Pause": "refit.orchestration",
-    "Verify": "refit.orchestration",
+    "SyncConfig": "refit.plan",
+    "QuantizeOn": "refit.plan",
+    "Transport": "refit.plan",
+    "Pause": "refit.plan",
+    "Verify": "refit.plan",
     "SyncReport": "refit.orchestration",
-    "TensorMeta": "refit.orchestration",
-    "TransferPlan": "refit.orchestration",
-    "describe_weights": "refit.orchestration",
-    "checkpoint_tensors": "refit.orchestration",
-    "CheckpointView": "refit.orchestration",
-    "produce_buckets": "refit.orchestration",
+    "TensorMeta": "refit.plan",
+    "TransferPlan": "refit.plan",
+    "describe_weights": "refit.plan",
+    "checkpoint_tensors": "refit.plan",
+    "CheckpointView": "refit.plan",
+    "produce_buckets": "refit.plan",
     "WireBucket": "refit.transport.buckets",
-    "RolloutModelInfo": "refit.orchestration",
+    "RolloutModelInfo": "refit.plan",
     "EngineConfig": "refit.engine.config",
     "ReplicaStatus": "refit.engine.lifecycle",
     "FinishedUpdate": "refit.engine.lifecycle",

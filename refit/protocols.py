@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus
-    from refit.orchestration.config import SyncConfig
-    from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan
+    from refit.plan.config import SyncConfig
+    from refit.plan.tensors import TensorMeta
+    from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
     from refit.transport.buckets import BucketContents, WireBucket
     from refit.verification.probe import ProbeRequest
 

@@ -24,8 +24,8 @@ import torch
 from refit.engine.config import EngineConfig
 from refit.engine.rollout_engine import max_over_ranks, receive_info, rendezvous_args, scale_records_from_rows
 from refit.errors import ConfigError
-from refit.orchestration.config import Pause, Transport
-from refit.orchestration.plan import RolloutModelInfo, TransferPlan
+from refit.plan.config import Pause, Transport
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents

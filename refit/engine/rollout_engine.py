@@ -26,8 +26,8 @@ import torch
 
 from refit.engine.config import EngineConfig
 from refit.errors import ConfigError, EngineError
-from refit.orchestration.config import Transport
-from refit.orchestration.plan import RolloutModelInfo, TransferPlan
+from refit.plan.config import Transport
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents
