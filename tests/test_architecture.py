@@ -20,9 +20,8 @@ PACKAGE = ROOT / "refit"
 
 # package -> packages it must never import (at any depth, in any form)
 FORBIDDEN = {
-    "refit.plan": ("refit.orchestration", "refit.engine", "refit.replica"),
+    "refit.plan": ("refit.orchestration", "refit.engine"),
     "refit.engine": ("refit.orchestration",),
-    "refit.replica": ("refit.orchestration",),
 }
 
 
