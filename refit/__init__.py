@@ -8,13 +8,13 @@ KV-cache scales after each refit.
     syncer = refit.Syncer(trainer, rollouts, config)  # plans once, reuse per step
 
 Public names load on first use, and none of them imports vLLM except the
-engine side (`refit.engine.rollout_engine` and below), so trainer and driver
+engine side (`refit.engine.llm`, `refit.engine.async_llm` and the vLLM plugins), so trainer and driver
 processes need only torch and Ray.
 
 Words used throughout:
 - *trainer*: the weight source (`refit.protocols.WeightSource`);
 - *replica* / *rollout*: one vLLM engine refit updates (`refit.protocols.RolloutReplica`);
-- *engine*: the `vllm.LLM` inside a replica (`refit.engine.rollout_engine.RolloutEngine`);
+- *engine*: the `vllm.LLM` or `AsyncLLM` inside a replica (`refit.engine.replica.ReplicaCore` drives it);
 - *loadable form*: the tensors vLLM's loaders take for a weight (for FP8_BLOCK:
   FP8 `weight` plus `weight_scale`, as an llmcompressor checkpoint holds them);
 - *checkpoint*: a model directory on disk, and nothing else;
@@ -44,8 +44,11 @@ from refit.errors import (
 )
 
 if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type checkers and IDEs
-    from refit.engine.config import EngineConfig
+    from refit.engine.async_llm import AsyncReplica, AsyncReplicaMethods, async_llm_replica
+    from refit.engine.config import EngineConfig, engine_kwargs
     from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
+    from refit.engine.llm import llm_replica
+    from refit.engine.replica import ReplicaCore, ReplicaMethods
     from refit.orchestration import Syncer, SyncReport, sync
     from refit.plan import (
         CheckpointView,
@@ -84,6 +87,13 @@ _LAZY = {
     "WireBucket": "refit.transport.buckets",
     "RolloutModelInfo": "refit.plan",
     "EngineConfig": "refit.engine.config",
+    "engine_kwargs": "refit.engine.config",
+    "llm_replica": "refit.engine.llm",
+    "async_llm_replica": "refit.engine.async_llm",
+    "AsyncReplica": "refit.engine.async_llm",
+    "ReplicaCore": "refit.engine.replica",
+    "ReplicaMethods": "refit.engine.replica",
+    "AsyncReplicaMethods": "refit.engine.async_llm",
     "ReplicaStatus": "refit.engine.lifecycle",
     "FinishedUpdate": "refit.engine.lifecycle",
     "Phase": "refit.engine.lifecycle",

@@ -5,7 +5,10 @@ Both protocols describe the methods of an *actor*: `Syncer` calls them as
 objects that implement them (a single-process setup, or the fast test tier).
 They are structural (PEP 544): implement the methods, no import or
 subclassing needed, as with vLLM's `VLLMWeightSyncClient`.
-`actors.TrainerActor` and `actors.RolloutActor` are the ready-made ones.
+`actors.TrainerActor` and `actors.RolloutActor` are the ready-made ones; an
+actor with its own engine delegates them to `refit.llm_replica(llm)` or
+`refit.async_llm_replica(llm)` (`refit.ReplicaMethods` and
+`refit.AsyncReplicaMethods` do; examples/own_engine.py).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
 from refit.verification.probe import ProbeRequest
 
-__all__ = ["AsyncLLMAdapter", "AsyncReplica", "Completion", "async_llm_replica", "start_async_llm"]
+__all__ = ["AsyncLLMAdapter", "AsyncReplica", "AsyncReplicaMethods", "Completion", "async_llm_replica", "start_async_llm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,3 +293,58 @@ class AsyncLLMAdapter:
 
     def resume(self) -> None:
         self._run(self.llm.resume_generation())
+
+
+class AsyncReplicaMethods:
+    """The methods `refit.Syncer` calls, handed to `self.replica` (an `AsyncReplica`), for an async rollout actor.
+
+    Mix into an async actor that holds its own `AsyncLLM`: set
+    `self.replica = refit.async_llm_replica(llm)` in its constructor and
+    serve requests with `await self.replica.serve(...)`.
+    """
+
+    replica: AsyncReplica
+
+    def describe(self) -> RolloutModelInfo:
+        return self.replica.describe()
+
+    def status(self) -> ReplicaStatus:
+        return self.replica.status()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def last_update(self) -> dict | None:
+        return self.replica.last_update()
+
+    async def scale_records(self) -> list[ScaleRecord]:
+        """Where every scale came from (also while refusing)."""
+        return await self.replica.scale_records()
+
+    def transport_ranks(self) -> int:
+        return self.replica.transport_ranks()
+
+    def transport_group(self) -> str | None:
+        return self.replica.transport_group()
+
+    async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        await self.replica.join_transport(rendezvous, member_offset, sync_id)
+
+    async def leave_transport(self) -> None:
+        await self.replica.leave_transport()
+
+    async def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        return await self.replica.begin_update(plan, sync_id, config)
+
+    async def load_bucket(
+        self, sync_id: str, version: int, bucket: list[BucketContents], next_bucket_bytes: list[int | None] | None = None
+    ) -> float:
+        return await self.replica.load_bucket(sync_id, version, bucket, next_bucket_bytes)
+
+    async def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        return await self.replica.finish_update(sync_id, version, probe)
+
+    async def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        return await self.replica.abort_update(sync_id, reason)

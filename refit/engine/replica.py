@@ -47,7 +47,7 @@ from refit.transport.object_store import fetch_parts
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, thresholds_for
 
-__all__ = ["EngineAdapter", "EngineFacts", "Generation", "ReplicaCore"]
+__all__ = ["EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods"]
 
 log = logging.getLogger("refit.engine")
 
@@ -339,3 +339,57 @@ class ReplicaCore:
                 expired = self.lifecycle.expired()  # a call may have renewed it meanwhile
                 if expired is not None:
                     self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
+
+
+class ReplicaMethods:
+    """The methods `refit.Syncer` calls (`refit.RolloutReplica`, the collective transport's too), handed to `self.replica`.
+
+    Mix into a rollout actor that holds its own engine: set
+    `self.replica = refit.llm_replica(llm)` in its constructor and run its
+    requests inside `self.replica.request()` (examples/own_engine.py).
+    """
+
+    replica: ReplicaCore
+
+    def describe(self) -> RolloutModelInfo:
+        return self.replica.describe()
+
+    def status(self) -> ReplicaStatus:
+        return self.replica.status()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def last_update(self) -> dict | None:
+        return self.replica.last_update()
+
+    def scale_records(self) -> list[ScaleRecord]:
+        return self.replica.scale_records()
+
+    def transport_ranks(self) -> int:
+        return self.replica.transport_ranks()
+
+    def transport_group(self) -> str | None:
+        return self.replica.transport_group()
+
+    def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        self.replica.join_transport(rendezvous, member_offset, sync_id)
+
+    def leave_transport(self) -> None:
+        self.replica.leave_transport()
+
+    def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        return self.replica.begin_update(plan, sync_id, config)
+
+    def load_bucket(
+        self, sync_id: str, version: int, bucket: WireBucket | list, next_bucket_bytes: list[int | None] | None = None
+    ) -> float:
+        return self.replica.load_bucket(sync_id, version, bucket, next_bucket_bytes)
+
+    def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        return self.replica.finish_update(sync_id, version, probe)
+
+    def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        return self.replica.abort_update(sync_id, reason)
