@@ -41,7 +41,7 @@ import torch
 
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
-from refit.engine.replica import EngineFacts, Generation, ReplicaCore
+from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -295,7 +295,7 @@ class AsyncLLMAdapter:
         self._run(self.llm.resume_generation())
 
 
-class AsyncReplicaMethods:
+class AsyncReplicaMethods(ReplicaObservation):
     """The methods `refit.Syncer` calls, handed to `self.replica` (an `AsyncReplica`), for an async rollout actor.
 
     Mix into an async actor that holds its own `AsyncLLM`: set
@@ -305,29 +305,9 @@ class AsyncReplicaMethods:
 
     replica: AsyncReplica
 
-    def describe(self) -> RolloutModelInfo:
-        return self.replica.describe()
-
-    def status(self) -> ReplicaStatus:
-        return self.replica.status()
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def last_update(self) -> dict | None:
-        return self.replica.last_update()
-
     async def scale_records(self) -> list[ScaleRecord]:
         """Where every scale came from (also while refusing)."""
         return await self.replica.scale_records()
-
-    def transport_ranks(self) -> int:
-        return self.replica.transport_ranks()
-
-    def transport_group(self) -> str | None:
-        return self.replica.transport_group()
 
     async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
         await self.replica.join_transport(rendezvous, member_offset, sync_id)

@@ -47,7 +47,7 @@ from refit.transport.object_store import fetch_parts
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, thresholds_for
 
-__all__ = ["EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods"]
+__all__ = ["EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation"]
 
 log = logging.getLogger("refit.engine")
 
@@ -341,15 +341,8 @@ class ReplicaCore:
                     self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
 
 
-class ReplicaMethods:
-    """The methods `refit.Syncer` calls (`refit.RolloutReplica`, the collective transport's too), handed to `self.replica`.
-
-    Mix into a rollout actor that holds its own engine: set
-    `self.replica = refit.llm_replica(llm)` in its constructor and run its
-    requests inside `self.replica.request()` (examples/own_engine.py).
-    """
-
-    replica: ReplicaCore
+class ReplicaObservation:
+    """The observation methods of a replica (none waits), handed to `self.replica`; both mixins below take them."""
 
     def describe(self) -> RolloutModelInfo:
         return self.replica.describe()
@@ -365,14 +358,25 @@ class ReplicaMethods:
     def last_update(self) -> dict | None:
         return self.replica.last_update()
 
-    def scale_records(self) -> list[ScaleRecord]:
-        return self.replica.scale_records()
-
     def transport_ranks(self) -> int:
         return self.replica.transport_ranks()
 
     def transport_group(self) -> str | None:
         return self.replica.transport_group()
+
+
+class ReplicaMethods(ReplicaObservation):
+    """The methods `refit.Syncer` calls (`refit.RolloutReplica`, the collective transport's too), handed to `self.replica`.
+
+    Mix into a rollout actor that holds its own engine: set
+    `self.replica = refit.llm_replica(llm)` in its constructor and run its
+    requests inside `self.replica.request()` (examples/own_engine.py).
+    """
+
+    replica: ReplicaCore
+
+    def scale_records(self) -> list[ScaleRecord]:
+        return self.replica.scale_records()
 
     def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
         self.replica.join_transport(rendezvous, member_offset, sync_id)
