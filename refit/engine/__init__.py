@@ -3,9 +3,11 @@
 - `config`: `EngineConfig`, how an engine starts (memory included); imports no vLLM.
 - `lifecycle`: one replica's update state machine and serving gate; pure Python.
 - `replica`: `ReplicaCore`, the one implementation of a replica's side of a sync, written against an
-  `EngineAdapter` (call the workers, generate, hold/pause/resume/release requests).
+  `EngineAdapter` (call the workers, generate, hold/pause/resume/release requests), and
+  `ReplicaMethods`, the mixin that hands a user's actor's replica methods to it.
 - `llm`: starting a `vllm.LLM`, and its adapter (`llm_replica(llm)`: a user's engine as a replica).
-- `async_llm`: the same for vLLM's `AsyncLLM` (continuous batching), with `AsyncReplica` for async actors.
+- `async_llm`: the same for vLLM's `AsyncLLM` (continuous batching), with `AsyncReplica` and
+  `AsyncReplicaMethods` for async actors.
 - `worker_rpc`: the RPC contract with the workers, both ends (`WorkerCalls`, `RefitWorkerExtension`).
 - `transfer_backend`: the "refit" backend of vLLM's weight-transfer API (worker side).
 - `readback`: the engine's FP8 weight scales read back against what the sync sent.
