@@ -15,9 +15,10 @@ import ray
 import torch
 
 from actors._measure import timed
-from refit.orchestration.checkpoint_format import CheckpointView
-from refit.orchestration.data_path import produce_buckets
-from refit.orchestration.plan import TensorMeta, TransferPlan
+from refit.plan.checkpoint_format import CheckpointView
+from refit.plan.data_path import produce_buckets
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import TransferPlan
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.sender import TransportSender

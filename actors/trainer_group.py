@@ -28,7 +28,8 @@ from actors._logging import show_refit_logs
 from actors._measure import private_rss_bytes, timed
 from refit.errors import ConfigError
 from refit.orchestration.calls import wait_until_started
-from refit.orchestration.plan import TensorMeta, TransferPlan
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import TransferPlan
 from refit.sharding.process_group import free_port, init_trainer_group
 from refit.sharding.rank_source import RankSource
 from refit.transport.buckets import BucketContents, WireBucket

@@ -49,7 +49,7 @@ import torch
 import refit
 from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
 from fixtures.cluster import local_cluster
-from refit.orchestration.plan import TransferPlan
+from refit.plan.transfer_plan import TransferPlan
 from tests.support.actors import run_in
 
 ROUND_TRIP = "round trip (/dev/shm)"
@@ -98,7 +98,7 @@ def write_fp8_checkpoint(trainer, plan: TransferPlan, directory: str) -> float:
     """In the trainer: quantize every planned tensor with refit's quantizer and write one safetensors file."""
     from safetensors.torch import save_file
 
-    from refit.orchestration.checkpoint_format import CheckpointView
+    from refit.plan.checkpoint_format import CheckpointView
     from refit.quantizer.fp8_block import loadable_form
 
     start = time.perf_counter()

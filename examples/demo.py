@@ -68,13 +68,13 @@ class _SeedBugRollout(RolloutActor.__ray_actor_class__):
 
     def __init__(self, config: refit.EngineConfig) -> None:
         super().__init__(config)
-        post_refit_stage = self.engine.apply_kv_scales
+        post_refit_stage = self.replica._apply_kv_scales  # the replica core's KV stage, run at every finish
 
         def apply_kv_scales(policy, calibration_prompts, version):
             self.engine.llm.collective_rpc(_dummy_scale_magnitudes)
             return post_refit_stage(policy, calibration_prompts, version)
 
-        self.engine.apply_kv_scales = apply_kv_scales
+        self.replica._apply_kv_scales = apply_kv_scales
 
 
 SeedBugRollout = ray.remote(concurrency_groups={"update": 1, "serve": 1, "observe": 1})(_SeedBugRollout)

@@ -8,13 +8,13 @@ KV-cache scales after each refit.
     syncer = refit.Syncer(trainer, rollouts, config)  # plans once, reuse per step
 
 Public names load on first use, and none of them imports vLLM except the
-engine side (`refit.engine.rollout_engine` and below), so trainer and driver
+engine side (`refit.engine.llm`, `refit.engine.async_llm` and the vLLM plugins), so trainer and driver
 processes need only torch and Ray.
 
 Words used throughout:
 - *trainer*: the weight source (`refit.protocols.WeightSource`);
 - *replica* / *rollout*: one vLLM engine refit updates (`refit.protocols.RolloutReplica`);
-- *engine*: the `vllm.LLM` inside a replica (`refit.engine.rollout_engine.RolloutEngine`);
+- *engine*: the `vllm.LLM` or `AsyncLLM` inside a replica (`refit.engine.replica.ReplicaCore` drives it);
 - *loadable form*: the tensors vLLM's loaders take for a weight (for FP8_BLOCK:
   FP8 `weight` plus `weight_scale`, as an llmcompressor checkpoint holds them);
 - *checkpoint*: a model directory on disk, and nothing else;
@@ -44,16 +44,18 @@ from refit.errors import (
 )
 
 if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type checkers and IDEs
-    from refit.engine.config import EngineConfig
+    from refit.engine.async_llm import AsyncReplica, AsyncReplicaMethods, async_llm_replica
+    from refit.engine.config import EngineConfig, engine_kwargs
     from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
-    from refit.orchestration import (
+    from refit.engine.llm import llm_replica
+    from refit.engine.replica import ReplicaCore, ReplicaMethods
+    from refit.orchestration import Syncer, SyncReport, sync
+    from refit.plan import (
         CheckpointView,
         Pause,
         QuantizeOn,
         RolloutModelInfo,
         SyncConfig,
-        Syncer,
-        SyncReport,
         TensorMeta,
         TransferPlan,
         Transport,
@@ -61,7 +63,6 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
         checkpoint_tensors,
         describe_weights,
         produce_buckets,
-        sync,
     )
     from refit.protocols import RolloutReplica, ShardedWeightSource, WeightSource
     from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
@@ -71,21 +72,28 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
 _LAZY = {
     "sync": "refit.orchestration",
     "Syncer": "refit.orchestration",
-    "SyncConfig": "refit.orchestration",
-    "QuantizeOn": "refit.orchestration",
-    "Transport": "refit.orchestration",
-    "Pause": "refit.orchestration",
-    "Verify": "refit.orchestration",
+    "SyncConfig": "refit.plan",
+    "QuantizeOn": "refit.plan",
+    "Transport": "refit.plan",
+    "Pause": "refit.plan",
+    "Verify": "refit.plan",
     "SyncReport": "refit.orchestration",
-    "TensorMeta": "refit.orchestration",
-    "TransferPlan": "refit.orchestration",
-    "describe_weights": "refit.orchestration",
-    "checkpoint_tensors": "refit.orchestration",
-    "CheckpointView": "refit.orchestration",
-    "produce_buckets": "refit.orchestration",
+    "TensorMeta": "refit.plan",
+    "TransferPlan": "refit.plan",
+    "describe_weights": "refit.plan",
+    "checkpoint_tensors": "refit.plan",
+    "CheckpointView": "refit.plan",
+    "produce_buckets": "refit.plan",
     "WireBucket": "refit.transport.buckets",
-    "RolloutModelInfo": "refit.orchestration",
+    "RolloutModelInfo": "refit.plan",
     "EngineConfig": "refit.engine.config",
+    "engine_kwargs": "refit.engine.config",
+    "llm_replica": "refit.engine.llm",
+    "async_llm_replica": "refit.engine.async_llm",
+    "AsyncReplica": "refit.engine.async_llm",
+    "ReplicaCore": "refit.engine.replica",
+    "ReplicaMethods": "refit.engine.replica",
+    "AsyncReplicaMethods": "refit.engine.async_llm",
     "ReplicaStatus": "refit.engine.lifecycle",
     "FinishedUpdate": "refit.engine.lifecycle",
     "Phase": "refit.engine.lifecycle",

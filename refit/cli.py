@@ -56,7 +56,7 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from refit.errors import ConfigError
-    from refit.orchestration import RolloutModelInfo, SyncConfig, describe_weights, make_plan
+    from refit.plan import RolloutModelInfo, SyncConfig, describe_weights, make_plan
 
     for role, path in (("trainer", trainer), ("rollout", rollout)):
         if not (path / "config.json").is_file():

@@ -5,7 +5,10 @@ Both protocols describe the methods of an *actor*: `Syncer` calls them as
 objects that implement them (a single-process setup, or the fast test tier).
 They are structural (PEP 544): implement the methods, no import or
 subclassing needed, as with vLLM's `VLLMWeightSyncClient`.
-`actors.TrainerActor` and `actors.RolloutActor` are the ready-made ones.
+`actors.TrainerActor` and `actors.RolloutActor` are the ready-made ones; an
+actor with its own engine delegates them to `refit.llm_replica(llm)` or
+`refit.async_llm_replica(llm)` (`refit.ReplicaMethods` and
+`refit.AsyncReplicaMethods` do; examples/own_engine.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus
-    from refit.orchestration.config import SyncConfig
-    from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan
+    from refit.plan.config import SyncConfig
+    from refit.plan.tensors import TensorMeta
+    from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
     from refit.transport.buckets import BucketContents, WireBucket
     from refit.verification.probe import ProbeRequest
 

@@ -129,3 +129,15 @@ def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path
     assert "Traceback" not in out
     noise = [line for line in out.splitlines() if "WARNING" in line and "refit" not in line]
     assert not noise, noise  # refit's own lines, not vLLM's warnings
+
+
+@pytest.mark.engine
+def test_own_engine_a_user_written_actor_with_its_own_llm_serves_the_trainers_weights(ray_cluster):
+    """examples/own_engine.py: a `vllm.LLM` the user's actor constructed, made a replica by refit and synced."""
+    out = run_python(["examples/own_engine.py"], ray_address=ray_cluster.address)
+    expected = expected_continuation([7, 10, 13, 16, 19, 22, 25, 28], NEW_TOKENS)
+    assert printed_tokens(out, "trainer:") == [expected]
+    assert printed_tokens(out, "my rollout:") == [expected]
+    assert "sync v1:" in out, out
+    assert re.search(r"model\.layers\.1\.self_attn\.attn +k_scale +default +1 +1$", out, re.MULTILINE), out  # dummy KV scale reset
+    assert re.search(r"model\.layers\.1\.mlp\.down_proj +weight_scale +refit +1 ", out, re.MULTILINE), out

@@ -48,7 +48,15 @@ def _actor_classes():
 
 @pytest.mark.parametrize(("protocol", "actor"), _actor_classes())
 def test_the_actors_implement_their_protocol_method_by_method(protocol, actor):
-    cls = actor.__ray_metadata__.modified_class
+    _assert_implements(protocol, actor.__ray_metadata__.modified_class)
+
+
+@pytest.mark.parametrize("mixin", ["ReplicaMethods", "AsyncReplicaMethods"])
+def test_the_replica_mixins_for_users_engines_implement_the_protocol_method_by_method(mixin):
+    _assert_implements(RolloutReplica, getattr(refit, mixin))
+
+
+def _assert_implements(protocol: type, cls: type) -> None:
     for name in _methods(protocol):
         declared, implemented = inspect.signature(getattr(protocol, name)), inspect.signature(getattr(cls, name))
         # Every parameter of the protocol, in its order and with its default; an implementation may take more.

@@ -2,11 +2,16 @@
 
 - `config`: `EngineConfig`, how an engine starts (memory included); imports no vLLM.
 - `lifecycle`: one replica's update state machine and serving gate; pure Python.
-- `rollout_engine`: `RolloutEngine`, a running `vllm.LLM` refit updates in place.
-- `async_engine`: `AsyncRolloutEngine`, the same for vLLM's `AsyncLLM` (continuous batching).
+- `replica`: `ReplicaCore`, the one implementation of a replica's side of a sync, written against an
+  `EngineAdapter` (call the workers, generate, hold/pause/resume/release requests), and
+  `ReplicaMethods`, the mixin that hands a user's actor's replica methods to it.
+- `llm`: starting a `vllm.LLM`, and its adapter (`llm_replica(llm)`: a user's engine as a replica).
+- `async_llm`: the same for vLLM's `AsyncLLM` (continuous batching), with `AsyncReplica` and
+  `AsyncReplicaMethods` for async actors.
+- `worker_rpc`: the RPC contract with the workers, both ends (`WorkerCalls`, `RefitWorkerExtension`).
 - `transfer_backend`: the "refit" backend of vLLM's weight-transfer API (worker side).
-- `worker_extension`: worker methods reached by `collective_rpc` (provenance, KV stage, collective group).
-- `cpu_kernel`: the FP8_BLOCK reference kernel for CPUs without AMX (a general plugin).
+- `readback`: the engine's FP8 weight scales read back against what the sync sent.
+- `cpu_kernel`, `cpu_moe`: FP8_BLOCK reference linear kernel and MoE backend for CPUs without AMX (general plugins).
 - `compat`: the vLLM release all of the above was written against.
 
 Only `config` and `lifecycle` are imported here: the rest imports vLLM, which

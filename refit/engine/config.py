@@ -17,12 +17,12 @@ from typing import Any, Literal
 
 from refit.errors import ConfigError
 
-__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION"]
+__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION", "engine_kwargs"]
 
 TRANSFER_BACKEND = "refit"
 """The name refit's weight-transfer backend is registered under in vLLM (refit/engine/transfer_backend.py)."""
 
-WORKER_EXTENSION = "refit.engine.worker_extension.RefitWorkerExtension"
+WORKER_EXTENSION = "refit.engine.worker_rpc.RefitWorkerExtension"
 """Mixed into every vLLM worker; a dotted path so that naming it does not import vLLM."""
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -116,12 +116,7 @@ class EngineConfig:
         return DEFAULT_CPU_KV_CACHE_BYTES
 
     def llm_kwargs(self, *, on_gpu: bool) -> dict[str, Any]:
-        """Keywords for `vllm.LLM`."""
-        memory: dict[str, Any] = {}
-        if (kv_bytes := self.kv_cache_bytes_on(on_gpu)) is not None:
-            memory["kv_cache_memory_bytes"] = kv_bytes
-        if self.memory_fraction is not None:
-            memory["gpu_memory_utilization"] = self.memory_fraction
+        """Keywords for `vllm.LLM` (or `AsyncEngineArgs`): this config's, and `engine_kwargs`'."""
         return {
             "model": str(self.model),
             "load_format": self.load_format,
@@ -133,8 +128,29 @@ class EngineConfig:
             "seed": self.seed,
             # Rollouts exchange token ids with the trainer; no tokenizer needed.
             "skip_tokenizer_init": True,
-            "weight_transfer_config": {"backend": TRANSFER_BACKEND},
-            "worker_extension_cls": WORKER_EXTENSION,
-            **memory,
+            **engine_kwargs(on_gpu=on_gpu, kv_cache_bytes=self.kv_cache_bytes),
+            **({"gpu_memory_utilization": self.memory_fraction} if self.memory_fraction is not None else {}),
             **self.extra,
         }
+
+
+def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = None) -> dict[str, Any]:
+    """The engine arguments refit needs, to merge into your own `vllm.LLM(...)` or `AsyncEngineArgs(...)`.
+
+    Its worker extension (`worker_extension_cls`: the methods a sync calls
+    in every worker) and its weight-transfer backend
+    (`weight_transfer_config`), plus the memory default: on a CPU
+    (`on_gpu=False`; None: no CUDA device here) a KV cache of
+    `kv_cache_bytes` (default `DEFAULT_CPU_KV_CACHE_BYTES`), because vLLM's
+    CPU backend otherwise reserves 92% of the whole machine per engine; on a
+    GPU vLLM's own sizing unless `kv_cache_bytes` is given. Keys you set
+    yourself after merging win, but refit needs the first two as given.
+    """
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION, "weight_transfer_config": {"backend": TRANSFER_BACKEND}}
+    if kv_cache_bytes is not None or not on_gpu:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
+    return kwargs

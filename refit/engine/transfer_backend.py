@@ -54,8 +54,8 @@ try:
     from vllm.platforms import current_platform
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
-from refit.orchestration.data_path import loadable_tensors
-from refit.orchestration.plan import TransferPlan, layer_key
+from refit.plan.data_path import loadable_tensors
+from refit.plan.transfer_plan import TransferPlan, layer_key
 from refit.provenance import (
     ATTENTION_SCALES,
     AttentionAmaxRecorder,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit.errors import ActorDiedError, SyncTimeoutError, TransportError
+from refit.transport.object_store import remote_error
 
 __all__ = [
     "BucketStream",
@@ -23,7 +24,6 @@ __all__ = [
     "dead_members",
     "is_actor",
     "raise_first_error",
-    "remote_error",
     "submit_all",
     "summary",
     "wait_all",
@@ -191,21 +191,6 @@ def _resolve(who: str, method: str, ref: Any, timeout_s: float) -> Outcome:
         return Outcome(who, ray.get(ref))
     except Exception as error:
         return Outcome(who, error=remote_error(error, who, method))
-
-
-def remote_error(error: Exception, who: str, method: str) -> Exception:
-    """What a failed `ray.get` of `who`'s `method` means: the remote exception itself, or that `who` is gone."""
-    import ray
-
-    if isinstance(error, ray.exceptions.RayTaskError):
-        return error.as_instanceof_cause()
-    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
-        # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        gone = ActorDiedError(f"{who} died or is unreachable ({method}): {type(error).__name__}: {lines[-1] if lines else ''}", who)
-        gone.__cause__ = error
-        return gone
-    return error
 
 
 def wait_until_started(

@@ -57,10 +57,11 @@ from refit.orchestration.calls import (
     wait_all,
     wait_until_started,
 )
-from refit.orchestration.config import SyncConfig, Transport, Verify
 from refit.orchestration.metrics import record_failure, record_sync
-from refit.orchestration.plan import RolloutModelInfo, TensorMeta, TransferPlan, make_plan
 from refit.orchestration.report import ReplicaReport, SyncReport
+from refit.plan.config import SyncConfig, Transport, Verify
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 from refit.transport.collective import Rendezvous, RendezvousHost
 from refit.transport.ipc import IpcTransport

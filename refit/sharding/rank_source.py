@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.orchestration.checkpoint_format import CheckpointView
-from refit.orchestration.config import QuantizeOn
-from refit.orchestration.plan import TransferPlan
+from refit.plan.checkpoint_format import CheckpointView
+from refit.plan.config import QuantizeOn
+from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite, loadable_form
 from refit.sharding.routes import Route, RowRange, TensorRoute, route_tensors
 from refit.transport.buckets import WireBucket, pack_bucket

@@ -6,7 +6,7 @@ whole 128x128 FP8 blocks, the blocks of the slice are exactly the blocks of
 the full tensor, so that rank can quantize its rows itself (bit-identical to
 quantizing the whole) and only FP8 codes and scales ever leave it: no rank
 gathers BF16, none builds a full copy. The replicas put the rows back
-together (`refit.orchestration.data_path.loadable_tensors`).
+together (`refit.plan.data_path.loadable_tensors`).
 
 The decision, per planned tensor, from the row ranges every rank reported:
 
@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from refit.orchestration.config import QuantizeOn
-from refit.orchestration.plan import PlannedTensor, TransferPlan
+from refit.plan.config import QuantizeOn
+from refit.plan.transfer_plan import PlannedTensor, TransferPlan
 
 __all__ = ["Route", "TensorRoute", "route_tensors"]
 

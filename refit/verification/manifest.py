@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from refit.errors import VerificationError
-from refit.orchestration.plan import TransferPlan
+from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import scale_name
 
 __all__ = ["expected_tensors", "missing_tensors", "refuse_partial"]

@@ -7,7 +7,7 @@ linear layer") unless refit's plugin is installed and loaded through its
 The FP8 KV cache exercises the CPU attention path that refuses non-positive
 KV scales. Engine start-up costs 3-8 s here (plus ~10 s to import vLLM), so
 one engine serves every check in this module; it starts the way refit starts
-every rollout (`RolloutEngine`, so `skip_tokenizer_init=True`), and what vLLM
+every rollout (`start_llm`, so `skip_tokenizer_init=True`), and what vLLM
 logs meanwhile is kept for the start-up log check.
 """
 
@@ -24,7 +24,7 @@ from vllm.distributed import cleanup_dist_env_and_memory
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import EngineConfig
 from refit.engine.cpu_kernel import RefitCpuFp8BlockKernel
-from refit.engine.rollout_engine import RolloutEngine
+from refit.engine.llm import start_llm
 
 pytestmark = pytest.mark.engine  # starts or imports vLLM
 
@@ -51,16 +51,16 @@ def started() -> Iterator[tuple[LLM, list[str]]]:
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # RolloutEngine drops it; EngineConfig sizes the cache (1 GiB)
+        env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # start_llm drops it; EngineConfig sizes the cache (1 GiB)
         with pytest.MonkeyPatch.context() as logs:
             logs.setattr(logging.Logger, "callHandlers", recording)
-            engine = RolloutEngine(EngineConfig(model=str(model_dir(tied=True, variant="fp8_block")), max_model_len=128,
-                                                kv_cache_dtype="fp8_e4m3"))
+            llm = start_llm(EngineConfig(model=str(model_dir(tied=True, variant="fp8_block")), max_model_len=128,
+                                         kv_cache_dtype="fp8_e4m3"))
         try:
-            yield engine.llm, lines
+            yield llm, lines
         finally:
-            engine.llm.llm_engine.engine_core.shutdown()
-            del engine
+            llm.llm_engine.engine_core.shutdown()
+            del llm
             cleanup_dist_env_and_memory()
 
 

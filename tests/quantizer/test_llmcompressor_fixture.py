@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from fixtures import FIXTURE_MODELS, model_dir
-from refit.orchestration import CheckpointView, module_classes
+from refit.plan import CheckpointView, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
 # 7 Linears in each of 2 layers; the MoE: q/k/v/o plus 4 experts x 3 projections per layer.

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.orchestration import QuantizeOn, loadable_tensors
-from refit.orchestration.plan import PlannedTensor, TransferPlan
+from refit.plan import QuantizeOn, loadable_tensors
+from refit.plan.transfer_plan import PlannedTensor, TransferPlan
 from refit.quantizer.fp8_block import loadable_form
 from refit.transport.buckets import pack_bucket
 

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fixtures import model_dir
-from refit.orchestration import RolloutModelInfo, SyncConfig, describe_weights, make_plan
+from refit.plan import RolloutModelInfo, SyncConfig, describe_weights, make_plan
 from refit.sharding import Route, route_tensors
 
 

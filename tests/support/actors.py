@@ -51,8 +51,8 @@ def hold_update_lock(rollout, seconds: float) -> None:
     """Occupy a rollout's update lock for `seconds` (from a timer thread), so its update calls hang."""
     import threading
 
-    rollout._update_lock.acquire()
-    threading.Timer(seconds, rollout._update_lock.release).start()
+    rollout.replica._lock.acquire()
+    threading.Timer(seconds, rollout.replica._lock.release).start()
 
 
 def node_id(_actor) -> str:
@@ -98,4 +98,4 @@ def greedy_gaps(trainer, version: int, sequences: Sequence[Sequence[int]], promp
 
 
 def requests_in_flight(rollout) -> int:
-    return rollout._lifecycle.requests_in_flight
+    return rollout.replica.lifecycle.requests_in_flight

@@ -23,7 +23,7 @@ def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, lik
     """Quantize `bf16_dir` into `out_dir` with the quantization_config of checkpoint `like`."""
     from transformers import AutoModelForCausalLM
 
-    from refit.orchestration import describe_weights, module_classes
+    from refit.plan import describe_weights, module_classes
 
     bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
     config = json.loads((bf16_dir / "config.json").read_text())

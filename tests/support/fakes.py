@@ -10,7 +10,7 @@ import torch
 
 from refit import EngineError, SyncConfig
 from refit.engine.lifecycle import FinishedUpdate, UpdateLifecycle
-from refit.orchestration import RolloutModelInfo, checkpoint_tensors, describe_weights, loadable_tensors, produce_buckets
+from refit.plan import RolloutModelInfo, checkpoint_tensors, describe_weights, loadable_tensors, produce_buckets
 
 FP8_BLOCK = {
     "quant_method": "compressed-tensors",

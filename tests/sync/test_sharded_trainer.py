@@ -130,7 +130,7 @@ def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster
         metas = ray.get(group.ranks[0].weight_metadata.remote())
         rollout = refit.RolloutModelInfo.from_checkpoint(tmp_path / "fp8", from_files=False)
         sync_config = refit.SyncConfig(bucket_bytes=8 << 20, max_buckets_in_flight=2)
-        plan = refit.orchestration.make_plan(metas, rollout, sync_config)
+        plan = refit.plan.make_plan(metas, rollout, sync_config)
         streams = [rank.stream_buckets.options(num_returns="streaming", _generator_backpressure_num_objects=2).remote(plan)
                    for rank in group.ranks]
         for _ in plan.buckets:
@@ -153,8 +153,8 @@ def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster
 
 
 def test_ranks_that_disagree_on_a_tensor_are_refused_before_anything_starts():
-    from refit.orchestration.plan import TensorMeta
     from refit.orchestration.syncer import _merge_metadata
+    from refit.plan.tensors import TensorMeta
 
     a = TensorMeta("w", (4, 4), "bfloat16", ("Linear",))
     b = TensorMeta("w", (4, 8), "bfloat16", ("Linear",))

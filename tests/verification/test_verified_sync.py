@@ -17,8 +17,8 @@ import refit
 from actors import TrainerActor
 from fixtures import model_dir
 from refit.engine import Phase
-from refit.orchestration.checkpoint_format import CheckpointView
-from refit.orchestration.data_path import produce_buckets
+from refit.plan.checkpoint_format import CheckpointView
+from refit.plan.data_path import produce_buckets
 from refit.transport.buckets import WireBucket
 from tests.support.actors import double_weight_scale, run_in
 

@@ -25,6 +25,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from refit.plan.checkpoint_format import describe_weights
+from refit.plan.tensors import module_classes
+from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
+
 __all__ = ["ExpectedWeight", "expected_weights", "may_stream"]
 
 # Attention KV-cache scales: the post-refit stage owns them, and a trainer
@@ -75,10 +79,6 @@ def _from_headers(files: list[Path]) -> list[ExpectedWeight]:
 def _from_config(model_dir: Path, quantization_config: dict | None) -> list[ExpectedWeight]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from refit.orchestration.checkpoint_format import describe_weights
-    from refit.orchestration.plan import module_classes
-    from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
     config = AutoConfig.from_pretrained(model_dir)
     if hasattr(config, "quantization_config"):

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from refit.errors import PlanMismatchError
-from refit.orchestration.plan import TensorMeta
+from refit.plan.tensors import TensorMeta
 
 __all__ = ["CheckpointView", "checkpoint_tensors", "describe_weights"]
 

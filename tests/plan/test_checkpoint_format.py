@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fixtures import model_dir
 from refit.errors import PlanMismatchError
-from refit.orchestration import CheckpointView, RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, make_plan, produce_buckets
+from refit.plan import CheckpointView, RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, make_plan, produce_buckets
 from refit.quantizer.fp8_block import dequantize_fp8_block
 
 MOE = dict(tied=False, arch="qwen3_moe")

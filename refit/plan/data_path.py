@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError, VerificationError
-from refit.orchestration.config import QuantizeOn
-from refit.orchestration.plan import TransferPlan
+from refit.plan.config import QuantizeOn
+from refit.plan.transfer_plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer.fp8_block import is_finite, loadable_form
 from refit.transport.buckets import WireBucket, pack_bucket

@@ -84,7 +84,8 @@ def test_a_trainer_process_does_not_import_vllm():
         "import sys, refit, actors\n"
         "from actors import TrainerActor, RolloutActor, TrainerGroup, TrainerRank\n"
         "from refit.sharding import RankSource, route_tensors\n"
-        "from refit.orchestration import make_plan, produce_buckets, describe_weights, checkpoint_tensors, Syncer\n"
+        "from refit.plan import make_plan, produce_buckets, describe_weights, checkpoint_tensors\n"
+        "from refit.orchestration import Syncer\n"
         "from refit import EngineConfig, SyncConfig, Syncer, WeightSource, RolloutReplica, RolloutModelInfo\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))\n"
     )
@@ -93,7 +94,7 @@ def test_a_trainer_process_does_not_import_vllm():
 
 
 def test_verification_settings_are_checked():
-    from refit.orchestration.config import Verify
+    from refit.plan.config import Verify
 
     assert SyncConfig().verify is Verify.CHECKSUMS
     assert SyncConfig(verify="probe").verify is Verify.PROBE

@@ -14,15 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from fixtures import model_dir
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.orchestration import (
-    RolloutModelInfo,
-    SyncConfig,
-    TensorMeta,
-    describe_weights,
-    loadable_tensors,
-    make_plan,
-    produce_buckets,
-)
+from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, loadable_tensors, make_plan, produce_buckets
 from refit.quantizer import quantize_fp8_block
 
 
@@ -164,7 +156,7 @@ def test_bf16_where_the_rollout_expects_fp8_is_refused():
 
 def test_layers_after_names_exactly_the_layers_that_straddle_a_bucket_boundary():
     """A receiver that reuses its buffers copies these tensors out (vLLM holds them until the layer is complete)."""
-    from refit.orchestration.plan import layer_key
+    from refit.plan.transfer_plan import layer_key
 
     plan = make_plan(describe_weights(trainer_model(False)), rollout_model(False, True), config(64 << 10))
     assert len(plan.buckets) > 4 and any(plan.layers_after(i) for i in range(len(plan.buckets)))

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from refit.orchestration.plan import _layer_order
+from refit.plan.transfer_plan import _layer_order
 
 NAMES = [
     "model.embed_tokens.weight",

@@ -10,7 +10,7 @@ Trainer and driver processes import this module, so it must not import
 vLLM (5 s, and images without it). The one thing it would take from vLLM is
 the decoder-layer order of names (`layerwise_groups` in
 vllm/distributed/weight_transfer/base.py); `_layer_order` follows the same
-rule and tests/orchestration/test_layer_order.py checks it against vLLM's.
+rule and tests/plan/test_layer_order.py checks it against vLLM's.
 """
 
 from __future__ import annotations
@@ -25,31 +25,15 @@ from typing import Any
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.orchestration.config import QuantizeOn, SyncConfig
-from refit.orchestration.expected_weights import ExpectedWeight, expected_weights, may_stream
+from refit.plan.config import QuantizeOn, SyncConfig
+from refit.plan.expected_weights import ExpectedWeight, expected_weights, may_stream
+from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
-__all__ = ["PlannedTensor", "RolloutModelInfo", "TensorMeta", "TransferPlan", "make_plan", "module_classes"]
+__all__ = ["PlannedTensor", "RolloutModelInfo", "TransferPlan", "layer_key", "make_plan"]
 
 _LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """One trainer parameter as a weight source describes it (no data)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # e.g. "bfloat16"
-    module_classes: tuple[str, ...]  # class names of the owning module's MRO
-    alias_of: str | None = None  # a tied parameter: same tensor as `alias_of`
-    piece_of: str | None = None  # a piece of this (fused) in-memory parameter, e.g. one expert's gate_proj
-
-
-def module_classes(metas: Sequence[TensorMeta]) -> dict[str, tuple[str, ...]]:
-    """Module name -> its class names, the map `Fp8BlockQuantizer` matches `Linear`-style targets with."""
-    return {m.name.rpartition(".")[0]: m.module_classes for m in metas}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,330 @@
+"""vLLM's `AsyncLLM` as a refit replica: continuous batching, engine core in its own process.
+
+For RL frameworks that serve many concurrent requests. `AsyncReplica(llm)`
+gives an async Ray actor every replica method as a coroutine: the update
+steps are `ReplicaCore`'s (refit/engine/replica.py), run one at a time in
+submission order on a thread of their own, while the actor's event loop
+keeps serving; `AsyncLLMAdapter` hands the core's engine calls back to that
+loop. The engine core always runs in a process of its own, so bytes can
+only arrive over a transport that bypasses vLLM's RPC (`collective`,
+`ipc`); `check` refuses `ray`.
+
+Each `serve` call is one request. An update:
+
+1. holds new requests at the adapter's gate, outside vLLM;
+2. `pause="wait"`: waits until every admitted request has finished. vLLM's
+   own "wait" pause is not enough on its own: it lets *running* requests
+   finish but keeps queued ones, which then run on the new weights.
+   `pause="abort"`: waits until every admitted request has reached the
+   engine core, so vLLM's pause, sent next, covers all of them;
+3. pauses vLLM (`SyncConfig.pause`): with nothing left to wait for, or
+   ending every request (running or queued), returned marked aborted;
+4. loads the buckets over the `collective` or `ipc` transport;
+5. resumes vLLM's scheduler, runs the post-refit stage (which may
+   generate: recomputed KV scales, the probe) while requests are still
+   held at the gate, then opens it.
+
+So every output carries the version that produced all of its tokens: the
+version served when it was admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refit.engine.config import EngineConfig
+from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
+from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation
+from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
+from refit.plan.config import Pause, SyncConfig, Transport
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
+from refit.provenance import ScaleRecord
+from refit.tokens import token_prompts
+from refit.transport.buckets import BucketContents
+from refit.transport.collective import Rendezvous
+from refit.verification.probe import ProbeRequest
+
+__all__ = ["AsyncLLMAdapter", "AsyncReplica", "AsyncReplicaMethods", "Completion", "async_llm_replica", "start_async_llm"]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One request's continuation, and the weights that produced it.
+
+    `version`: the refit version served when the request was admitted (None:
+    the weights the engine started with); with `pause="wait"` every token
+    of it comes from those weights. `aborted`: an update ended it early
+    (`pause="abort"`); its tokens so far are kept.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int | None
+    aborted: bool = False
+    prompt_logprobs: list[float | None] | None = None
+
+
+def start_async_llm(config: EngineConfig) -> Any:
+    """Start the `AsyncLLM` that `config` describes."""
+    config.check_model_directory()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**config.llm_kwargs(on_gpu=torch.cuda.is_available())))
+
+
+def async_llm_replica(llm: Any) -> AsyncReplica:
+    """`llm` (a running `AsyncLLM` started with `refit.engine_kwargs()` merged into its arguments) as a replica
+    a `refit.Syncer` can sync, for an async Ray actor to hold and delegate the replica methods to."""
+    return AsyncReplica(llm)
+
+
+class AsyncReplica:
+    """A running `AsyncLLM` (started with refit's engine arguments) as a replica, for an async Ray actor.
+
+    Hold one in the actor and delegate the `refit.RolloutReplica` methods
+    (and `serve` for requests) to it; `actors.AsyncRolloutActor` does.
+    Create it where the actor's event loop runs or will run its methods.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.engine = AsyncLLMAdapter(llm)
+        self.core = ReplicaCore(self.engine)
+        self._steps = ThreadPoolExecutor(1, thread_name_prefix="refit-update")  # in submission order
+
+    async def _step(self, method: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        self.engine.loop = loop
+        return await loop.run_in_executor(self._steps, method, *args)
+
+    # -- observation (never waits) ----------------------------------------------------
+    def describe(self) -> RolloutModelInfo:
+        return self.core.describe()
+
+    def status(self) -> ReplicaStatus:
+        return self.core.status()
+
+    def transport_ranks(self) -> int:
+        return self.core.transport_ranks()
+
+    def transport_group(self) -> str | None:
+        return self.core.transport_group()
+
+    def last_update(self) -> dict | None:
+        return self.core.last_update()
+
+    async def scale_records(self) -> list[ScaleRecord]:
+        """Where every scale came from (also while refusing)."""
+        self.engine.loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(self.core.scale_records)
+
+    # -- serving -------------------------------------------------------------------------
+    async def serve(
+        self, prompt: Sequence[int], max_tokens: int = 8, *, temperature: float = 0.0, seed: int | None = None
+    ) -> Completion:
+        """One request: its tokens, logprobs, the version that produced them, and whether an update aborted it."""
+        return await self.engine.serve(prompt, max_tokens, self.core.status, temperature=temperature, seed=seed)
+
+    # -- the update steps (ReplicaCore's, in submission order) --------------------------------
+    async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        await self._step(self.core.join_transport, rendezvous, member_offset, sync_id)
+
+    async def leave_transport(self) -> None:
+        await self._step(self.core.leave_transport)
+
+    async def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        return await self._step(self.core.begin_update, plan, sync_id, config)
+
+    async def load_bucket(
+        self, sync_id: str, version: int, bucket: list[BucketContents], next_bucket_bytes: list[int | None] | None = None
+    ) -> float:
+        return await self._step(self.core.load_bucket, sync_id, version, bucket, next_bucket_bytes)
+
+    async def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        return await self._step(self.core.finish_update, sync_id, version, probe)
+
+    async def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        return await self._step(self.core.abort_update, sync_id, reason)
+
+
+class AsyncLLMAdapter:
+    """`ReplicaCore`'s access to an `AsyncLLM`, and the request gate (see the module docstring).
+
+    The core calls it from its update thread; each call runs a coroutine on
+    `loop`, the event loop that serves requests, and waits for it.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.facts = EngineFacts.of(llm.vllm_config)
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by `AsyncReplica` before it calls the core
+        self._gate = asyncio.Event()  # set: requests may enter the engine
+        self._gate.set()
+        self._admitting = 0  # requests past the gate whose add has not yet reached the engine core
+        self._in_flight = 0  # requests past the gate that have not finished
+        self._admitted = asyncio.Condition()
+
+    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    # -- requests (on the loop) ---------------------------------------------------------
+    async def serve(self, prompt: Sequence[int], max_tokens: int, status: Callable[[], ReplicaStatus], *,
+                    temperature: float = 0.0, seed: int | None = None) -> Completion:
+        """One user request, admitted at the gate and tagged with the version served when it was."""
+        while True:
+            await self._gate.wait()  # an update holds new requests here
+            state = status()
+            if state.phase is Phase.REFUSING:
+                raise ReplicaRefusingError(f"this replica refuses to serve: {state.reason}")
+            if state.phase is Phase.SERVING and self._gate.is_set():
+                break
+            await asyncio.sleep(0.01)  # never spin: the update closes the gate before its state says updating
+        self._admitting += 1  # no await since the gate check: an update cannot slip in between
+        self._in_flight += 1
+        try:
+            try:
+                queue = await self._admit(prompt, max_tokens, temperature=temperature, seed=seed)
+            finally:
+                self._admitting -= 1
+                await self._notify()
+            return await self._collect(queue, state.served_version)
+        finally:
+            self._in_flight -= 1
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._admitted:
+            self._admitted.notify_all()
+
+    async def _admit(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0, seed: int | None = None,
+                     prompt_logprobs: bool = False):
+        """Send one request to the engine core; returns its output queue once the core has it in order.
+
+        Split from `_collect` so a request counts as in the engine before an update's pause is sent after it.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        (checked,) = token_prompts([prompt], vocab_size=self.facts.vocab_size)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0, detokenize=False,
+            prompt_logprobs=0 if prompt_logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        return await self.llm.add_request(uuid.uuid4().hex, {"prompt_token_ids": list(checked)}, params)
+
+    async def _collect(self, queue, version: int | None) -> Completion:
+        """Wait for the request's final output; abort it if the caller gives up."""
+        try:
+            while True:
+                out = queue.get_nowait() or await queue.get()
+                if out.finished:
+                    break
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.llm.abort(queue.request_id, internal=True)
+            raise
+        completion = out.outputs[0]
+        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs or [], completion.token_ids)]
+        prompt = None
+        if out.prompt_logprobs is not None:
+            prompt = [None if step is None else step[tok].logprob for step, tok in zip(out.prompt_logprobs, out.prompt_token_ids)]
+        return Completion(list(completion.token_ids), logprobs, version, completion.finish_reason == "abort", prompt)
+
+    # -- the core's calls (from its update thread) -----------------------------------------
+    def check(self, config: SyncConfig) -> None:
+        if config.transport is Transport.RAY:
+            raise ConfigError(
+                "transport='ray' hands tensors to vLLM's workers as RPC arguments, which an AsyncLLM's engine core "
+                "(always in its own process) cannot pass on; use SyncConfig(transport='collective')"
+            )
+
+    def call_workers(self, method: str, *args: Any) -> list:
+        return self._run(self.llm.collective_rpc(method, args=args))
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, prompt_logprobs: bool = False) -> Generation:
+        """One request per prompt, past the gate (the post-refit stage and the probe run while it is closed)."""
+
+        async def each() -> list[Completion]:
+            return [await self._collect(await self._admit(p, max_tokens, prompt_logprobs=prompt_logprobs), None)
+                    for p in prompts]
+
+        done = self._run(each())
+        return Generation([c.token_ids for c in done], [c.logprobs for c in done],
+                          [c.prompt_logprobs for c in done] if prompt_logprobs else None)
+
+    def reset_prefix_cache(self) -> None:
+        self._run(self.llm.reset_prefix_cache())
+
+    def hold_requests(self) -> None:
+        self._run(self._set_gate(False))
+
+    def release_requests(self) -> None:
+        self._run(self._set_gate(True))
+
+    async def _set_gate(self, open_: bool) -> None:
+        if open_:
+            self._gate.set()
+        else:
+            self._gate.clear()
+
+    def pause(self, mode: Pause, timeout_s: float) -> None:
+        """Steps 2 and 3 of the module docstring."""
+
+        async def drain_then_pause() -> None:
+            async with self._admitted:
+                if mode is Pause.WAIT:
+                    await self._admitted.wait_for(lambda: self._in_flight == 0)
+                else:
+                    await self._admitted.wait_for(lambda: self._admitting == 0)
+            await self.llm.pause_generation(mode=str(mode), clear_cache=True)
+
+        try:
+            self._run(asyncio.wait_for(drain_then_pause(), timeout=timeout_s))
+        except TimeoutError:
+            raise SyncTimeoutError(
+                f"requests in flight did not finish within {timeout_s:.0f} s (pause={str(mode)!r})"
+            ) from None
+
+    def resume(self) -> None:
+        self._run(self.llm.resume_generation())
+
+
+class AsyncReplicaMethods(ReplicaObservation):
+    """The methods `refit.Syncer` calls, handed to `self.replica` (an `AsyncReplica`), for an async rollout actor.
+
+    Mix into an async actor that holds its own `AsyncLLM`: set
+    `self.replica = refit.async_llm_replica(llm)` in its constructor and
+    serve requests with `await self.replica.serve(...)`.
+    """
+
+    replica: AsyncReplica
+
+    async def scale_records(self) -> list[ScaleRecord]:
+        """Where every scale came from (also while refusing)."""
+        return await self.replica.scale_records()
+
+    async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        await self.replica.join_transport(rendezvous, member_offset, sync_id)
+
+    async def leave_transport(self) -> None:
+        await self.replica.leave_transport()
+
+    async def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        return await self.replica.begin_update(plan, sync_id, config)
+
+    async def load_bucket(
+        self, sync_id: str, version: int, bucket: list[BucketContents], next_bucket_bytes: list[int | None] | None = None
+    ) -> float:
+        return await self.replica.load_bucket(sync_id, version, bucket, next_bucket_bytes)
+
+    async def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        return await self.replica.finish_update(sync_id, version, probe)
+
+    async def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        return await self.replica.abort_update(sync_id, reason)

@@ -1,0 +1,399 @@
+"""One replica's side of a sync, whatever engine it runs and however that engine is reached.
+
+`ReplicaCore` is the one implementation of the update lifecycle on the
+replica: `begin_update` -> `load_bucket` per bucket -> `finish_update`
+(completeness, the reload finalized, scales read back, the post-refit KV
+stage, the probe), or `abort_update` from any point; the lease watchdog
+that closes an update whose sync stopped calling; and what `refit inspect`
+shows. Which step may run when is the `UpdateLifecycle`'s
+(refit/engine/lifecycle.py); what the workers do is `WorkerCalls`'
+(refit/engine/worker_rpc.py).
+
+An engine takes part only through an `EngineAdapter`: how to call its
+workers, how to generate, and how to hold, pause, resume and release its
+requests around an update. `LLMAdapter` (refit/engine/llm.py) adapts an
+in-process `vllm.LLM`, `AsyncLLMAdapter` (refit/engine/async_llm.py) an
+`AsyncLLM`. Every method here blocks: an actor runs the update steps on one
+thread, in submission order (an async actor: on an executor thread, with
+the adapter handing its coroutines to the actor's event loop).
+
+Every failure inside a step closes the update here, on the replica, and
+leaves it serving its old version (nothing loaded) or refusing; the
+driver's `abort_update` then finds nothing open. A replica never waits for
+the driver to clean up after it, since that driver may be gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
+from refit.engine.worker_rpc import WorkerCalls
+from refit.errors import VerificationError
+from refit.plan.config import Pause, SyncConfig, Verify
+from refit.plan.data_path import loadable_tensors
+from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
+from refit.provenance import KvScalePolicy, ScaleRecord
+from refit.tokens import token_prompts
+from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.collective import Rendezvous
+from refit.transport.object_store import fetch_parts
+from refit.verification import ProbeRequest, refuse_partial
+from refit.verification.probe import ProbeResult, compare, thresholds_for
+
+__all__ = ["EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation"]
+
+log = logging.getLogger("refit.engine")
+
+_WATCHDOG_PERIOD_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Continuations with their log-probabilities, `n` per prompt, prompt-major."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]  # of each generated token
+    prompt_logprobs: list[list[float | None]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the core needs to know about an engine, read once from its vLLM config (`EngineFacts.of`)."""
+
+    model_info: RolloutModelInfo
+    vocab_size: int
+    workers: int  # vLLM workers, each a rank of a collective group
+    fp8_kv_cache: bool
+    initial_refusal: str | None  # why it must not serve before its first sync (a dummy load)
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> EngineFacts:
+        """From a running engine's `VllmConfig`, so an engine the user started is described as one refit started."""
+        model_dir = vllm_config.model_config.model
+        dummy = str(vllm_config.load_config.load_format) == "dummy"
+        return cls(
+            model_info=RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy),
+            vocab_size=int(vllm_config.model_config.get_vocab_size()),
+            workers=int(vllm_config.parallel_config.world_size),
+            fp8_kv_cache=str(vllm_config.cache_config.cache_dtype).startswith("fp8"),
+            initial_refusal=(
+                "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
+                if dummy else None
+            ),
+        )
+
+
+class EngineAdapter(Protocol):
+    """How the core reaches one engine. Every method blocks until the engine has done it."""
+
+    facts: EngineFacts
+
+    def check(self, config: SyncConfig) -> None:
+        """Refuse a sync this engine cannot take part in (a transport that cannot reach its workers, a pause mode)."""
+
+    def call_workers(self, method: str, *args: Any) -> list:
+        """Call `method` on every worker (vLLM's `collective_rpc`); one result per worker."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, prompt_logprobs: bool = False) -> Generation:
+        """Greedy continuations, run now: the post-refit stage and the probe call it while users' requests are held."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes: they hold K/V the old weights computed."""
+
+    def hold_requests(self) -> None:
+        """New requests wait from now on (before the update may change anything)."""
+
+    def pause(self, mode: Pause, timeout_s: float) -> None:
+        """Requests in flight finish (`wait`) or end marked aborted (`abort`); the scheduler stops."""
+
+    def resume(self) -> None:
+        """The scheduler runs again (users' requests are still held)."""
+
+    def release_requests(self) -> None:
+        """Held requests go on: served by the new version, or refused."""
+
+
+class ReplicaCore:
+    def __init__(self, engine: EngineAdapter) -> None:
+        self.engine = engine
+        self.facts = engine.facts
+        self.workers = WorkerCalls(engine.call_workers)
+        self.lifecycle = UpdateLifecycle(refusal=self.facts.initial_refusal)
+        self._lock = threading.Lock()  # update steps vs the watchdog
+        self._open: tuple[TransferPlan, SyncConfig] | None = None  # of the update the lifecycle holds open
+        self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open (or last) update
+        self._last_update: dict | None = None  # what `refit inspect` shows
+        self._group_id: str | None = None  # the collective group the workers joined
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
+
+    # -- observation (never waits for an update or a request) ---------------------
+    def describe(self) -> RolloutModelInfo:
+        return self.facts.model_info
+
+    def status(self) -> ReplicaStatus:
+        return self.lifecycle.status()
+
+    def transport_ranks(self) -> int:
+        """How many ranks this replica takes in a collective group: one per vLLM worker."""
+        return self.facts.workers
+
+    def transport_group(self) -> str | None:
+        """The collective group this replica's workers are in, if any."""
+        return self._group_id
+
+    def last_update(self) -> dict | None:
+        """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written."""
+        return self._last_update
+
+    # -- serving ------------------------------------------------------------------------
+    @contextmanager
+    def request(self, *, allow_refusing: bool = False) -> Iterator[None]:
+        """Run a request on a whole model: waits out an update, refuses while refusing (see `UpdateLifecycle.request`)."""
+        with self.lifecycle.request(allow_refusing=allow_refusing):
+            yield
+
+    def scale_records(self) -> list[ScaleRecord]:
+        """Where every scale came from (also while refusing: that is when it matters most)."""
+        with self.lifecycle.request(allow_refusing=True):
+            return self.workers.scale_records()
+
+    # -- the collective group -----------------------------------------------------------
+    def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        """Every worker joins a sync's collective group as members from `member_offset` on (leaving any earlier group).
+
+        During an update only the sync that owns it (`sync_id`) may move the workers to another group.
+        """
+        with self._lock:
+            self.lifecycle.check_group_change(sync_id)
+            self._group_id = None
+            self.workers.join_group(rendezvous, member_offset)
+            self._group_id = rendezvous.group_id
+
+    def leave_transport(self) -> None:
+        with self._lock:
+            self._group_id = None
+            self.workers.leave_group()
+
+    # -- the update lifecycle ---------------------------------------------------------------
+    def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        """Hold new requests, pause (requests in flight finish or abort), start the reload; returns the lowest version accepted."""
+        if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids would fail only after every weight is loaded
+            token_prompts(config.calibration_prompts, vocab_size=self.facts.vocab_size, setting="calibration_prompts")
+        self.engine.check(config)  # before requests are held
+        with self._lock:
+            holds = self.lifecycle.open_update() is None  # a rival sync's update keeps its own hold; begin refuses it
+            if holds:
+                self.engine.hold_requests()
+            try:
+                version = self.lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
+            except BaseException:
+                if holds:
+                    self.engine.release_requests()
+                raise
+            self._progress = {"buckets": 0, "load_seconds": 0.0}
+            try:
+                self.engine.pause(config.pause, config.timeout_s)
+                self.workers.start_update(plan, config.transport)
+            except BaseException as error:
+                self._close(sync_id, f"starting the update failed: {error!r}")
+                raise
+            self._open = (plan, config)
+            return version
+
+    def load_bucket(
+        self, sync_id: str, version: int, bucket: WireBucket | list[WireBucket | Any | BucketContents],
+        next_bucket_bytes: list[int | None] | None = None,
+    ) -> float:
+        """Load one bucket (one part per sending rank of a sharded trainer); returns seconds spent loading.
+
+        Through Ray's object store the parts come as refs, fetched here; over
+        `collective` or `ipc` as their contents, while the workers receive
+        the bytes (`next_bucket_bytes`: each rank's next part's size, for the
+        workers to post its receive early).
+        """
+        with self._lock:
+            self.lifecycle.renew(sync_id, "load_bucket")
+            plan, config = self._open
+            verify = config.verify is not Verify.OFF
+            try:
+                if next_bucket_bytes is not None:
+                    self.lifecycle.loading(sync_id, version)
+                    start = time.perf_counter()
+                    self.workers.receive(bucket, next_bucket_bytes, version, verify=verify)
+                else:
+                    tensors = loadable_tensors(plan, fetch_parts(bucket, config.timeout_s), verify=verify)
+                    self.lifecycle.loading(sync_id, version)
+                    start = time.perf_counter()
+                    self.workers.load(tensors, version, verify=verify)
+            except BaseException as error:
+                self._close(sync_id, f"loading a bucket failed: {error}")
+                raise
+            seconds = time.perf_counter() - start
+            self._progress["buckets"] += 1
+            self._progress["load_seconds"] += seconds
+            return seconds
+
+    def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        """Verify, finalize, resume, run the post-refit stage (and the probe) with requests still held, serve `version`.
+
+        A failed check raises, and the replica has closed the update and refuses.
+        """
+        with self._lock:
+            self.lifecycle.renew(sync_id, "finish_update")
+            start = time.perf_counter()
+            plan, config = self._open
+            outcome, probe_passed, stage = "off", None, "finishing the reload"
+            try:
+                if config.verify is not Verify.OFF:
+                    received = self.workers.streamed()
+                    refuse_partial(plan, received)
+                self.workers.finish_update()  # refuses an incomplete update, or scales the engine holds wrongly
+                if config.verify is not Verify.OFF:
+                    outcome = f"checksums, {len(received)} tensors complete, scales read back"
+                self.engine.resume()  # the stage may generate; users' requests are still held
+                stage = "the post-refit KV-scale stage"
+                written = self._apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
+                if probe is not None:
+                    stage = "the logprob probe"
+                    result = self._probe(probe)
+                    outcome, probe_passed = f"{outcome}; {result}", result.passed
+                    if not result.passed and probe.fail:
+                        raise VerificationError(f"the logprob probe after the refit failed: {result}")
+            except BaseException as error:
+                # After the reload is finalized the model has changed, whatever the bucket count says.
+                self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)
+                raise
+            self._open = None
+            self.lifecycle.finished(sync_id, version)
+            self.engine.release_requests()
+            seconds = time.perf_counter() - start
+            self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome)
+            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed)
+
+    def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        """Close `sync_id`'s update if it is open; returns the status that leaves."""
+        with self._lock:
+            return self._close(sync_id, reason)
+
+    def close(self) -> None:
+        """Stop the lease watchdog (the replica is going away)."""
+        self._closed.set()
+
+    # -- the steps' parts -----------------------------------------------------------------
+    def _apply_kv_scales(self, policy: KvScalePolicy, calibration_prompts: Sequence[Sequence[int]], version: int) -> list[str]:
+        """The post-refit stage; returns the attention scales written ("module.scale")."""
+        measured = None
+        if policy is KvScalePolicy.RECOMPUTE:
+            # The calibration pass itself runs through an FP8 KV cache, which
+            # refuses dummy scales: make placeholders valid (1.0) first.
+            self.workers.apply_kv_policy(KvScalePolicy.AUTO, version, None)
+            self.workers.start_amax()
+            self.engine.generate(calibration_prompts, 1)
+            measured = self.workers.stop_amax()
+        written = self.workers.apply_kv_policy(policy, version, measured)
+        self.engine.reset_prefix_cache()
+        return written
+
+    def _probe(self, request: ProbeRequest) -> ProbeResult:
+        """Score the probe prompts and compare with the trainer's logprobs, at this engine's precision's thresholds."""
+        scored = self.engine.generate([list(p) for p in request.prompts], 1, prompt_logprobs=True)
+        thresholds = thresholds_for(self.facts.model_info.quantization_config is not None, self.facts.fp8_kv_cache)
+        return compare([row[1:] for row in scored.prompt_logprobs], request.reference, thresholds)
+
+    def _close(self, sync_id: str, reason: str, *, model_changed: bool | None = None) -> ReplicaStatus:
+        """Close `sync_id`'s update after a failure (a no-op unless it is the open one); the caller holds the lock."""
+        if self.lifecycle.open_update() != sync_id:
+            return self.lifecycle.status()
+        self._open = None
+        try:
+            self.workers.abandon_update()
+        except BaseException as error:  # layers may be left in loadable form: never serve them
+            reason, model_changed = f"{reason}; closing the reload failed too: {error!r}", True
+        try:
+            self.engine.resume()
+        except BaseException as error:
+            reason, model_changed = f"{reason}; resuming the engine's scheduler failed: {error!r}", True
+        status = self.lifecycle.failed(sync_id, reason, model_changed=model_changed)
+        self.engine.release_requests()  # held requests now run, or are refused
+        self._record(sync_id, None, f"failed: {reason}")
+        return status
+
+    def _record(self, sync_id: str, version: int | None, outcome: str, **extra: Any) -> None:
+        self._last_update = {
+            "sync_id": sync_id, "version": version, "outcome": outcome, "at": time.time(), **self._progress, **extra,
+        }
+
+    def _watch_leases(self) -> None:
+        while not self._closed.wait(_WATCHDOG_PERIOD_S):
+            if self.lifecycle.expired() is None:
+                continue
+            with self._lock:
+                expired = self.lifecycle.expired()  # a call may have renewed it meanwhile
+                if expired is not None:
+                    self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
+
+
+class ReplicaObservation:
+    """The observation methods of a replica (none waits), handed to `self.replica`; both mixins below take them."""
+
+    def describe(self) -> RolloutModelInfo:
+        return self.replica.describe()
+
+    def status(self) -> ReplicaStatus:
+        return self.replica.status()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def last_update(self) -> dict | None:
+        return self.replica.last_update()
+
+    def transport_ranks(self) -> int:
+        return self.replica.transport_ranks()
+
+    def transport_group(self) -> str | None:
+        return self.replica.transport_group()
+
+
+class ReplicaMethods(ReplicaObservation):
+    """The methods `refit.Syncer` calls (`refit.RolloutReplica`, the collective transport's too), handed to `self.replica`.
+
+    Mix into a rollout actor that holds its own engine: set
+    `self.replica = refit.llm_replica(llm)` in its constructor and run its
+    requests inside `self.replica.request()` (examples/own_engine.py).
+    """
+
+    replica: ReplicaCore
+
+    def scale_records(self) -> list[ScaleRecord]:
+        return self.replica.scale_records()
+
+    def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        self.replica.join_transport(rendezvous, member_offset, sync_id)
+
+    def leave_transport(self) -> None:
+        self.replica.leave_transport()
+
+    def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
+        return self.replica.begin_update(plan, sync_id, config)
+
+    def load_bucket(
+        self, sync_id: str, version: int, bucket: WireBucket | list, next_bucket_bytes: list[int | None] | None = None
+    ) -> float:
+        return self.replica.load_bucket(sync_id, version, bucket, next_bucket_bytes)
+
+    def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
+        return self.replica.finish_update(sync_id, version, probe)
+
+    def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
+        return self.replica.abort_update(sync_id, reason)

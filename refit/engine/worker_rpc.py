@@ -1,0 +1,151 @@
+"""The RPC contract between a replica and its vLLM workers: both ends, in one module.
+
+vLLM mixes `worker_extension_cls` into every worker class, in-process or in
+separate worker processes (tensor parallel > 1, an engine core of its own),
+so `RefitWorkerExtension`'s methods run next to each worker's model.
+`WorkerCalls` is the replica's end: one method per RPC, reaching the workers
+through whatever `call(method, *args)` the engine offers (`collective_rpc`
+of `vllm.LLM` or `AsyncLLM`). Each RPC is named in exactly these two places.
+
+Calls by method name are serialized with vLLM's own msgpack encoder (a
+pickled callable would need VLLM_ALLOW_INSECURE_SERIALIZATION=1), so every
+argument and return value is plain data (lists, dicts, floats), never a
+refit class; the plan travels pickled, from the same trusted sender.
+
+Importing this module does not import vLLM: the worker end reaches refit's
+weight-transfer backend (which does) only when a worker calls it.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refit.plan.config import Transport
+from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, ScaleRecord, ScaleSource, apply_kv_scale_policy
+from refit.transport.buckets import BucketContents
+from refit.transport.collective import Rendezvous
+
+if TYPE_CHECKING:
+    from refit.engine.transfer_backend import RefitTransferBackend
+    from refit.plan.transfer_plan import TransferPlan
+
+__all__ = ["RefitWorkerExtension", "WorkerCalls", "max_over_ranks"]
+
+AmaxRows = list[tuple[str, str, float]]  # (attention module, scale name, amax)
+
+
+class WorkerCalls:
+    """The replica's end: each worker RPC as a method. `call(method, *args)` returns one result per worker."""
+
+    def __init__(self, call: Callable[..., list]) -> None:
+        self._call = call
+
+    def start_update(self, plan: TransferPlan, transport: Transport) -> None:
+        """Put every layer in loadable form; over `collective` or `ipc`, tell the workers the plan of what arrives."""
+        self._call("start_weight_update")  # vLLM's own worker method, which calls the backend's
+        if transport is not Transport.RAY:
+            self._call("refit_expect_plan", pickle.dumps(plan), str(transport))
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int, *, verify: bool) -> None:
+        """One bucket of tensors in the form vLLM's loaders take (`ray`: they cross the RPC)."""
+        self._call("update_weights", {"version": version, "tensors": list(tensors), "verify": verify})
+
+    def receive(self, contents: Sequence[BucketContents], next_bucket_bytes: Sequence[int | None], version: int, *,
+                verify: bool) -> None:
+        """One bucket whose bytes the workers receive over the transport (a part per sending rank); only its
+        table of contents crosses the RPC, with each rank's next part's size so its receive is posted early."""
+        self._call("update_weights", {"version": version, "contents": [part.to_plain() for part in contents],
+                                      "next_bucket_bytes": list(next_bucket_bytes), "verify": verify})
+
+    def streamed(self) -> list[str]:
+        """Checkpoint names of every tensor the open update loaded."""
+        return self._call("refit_streamed")[0]
+
+    def finish_update(self) -> None:
+        """Refuse an incomplete update (the reload left open for `abandon_update`), else finalize it."""
+        self._call("finish_weight_update")
+
+    def abandon_update(self) -> None:
+        """Close a failed update: layers that received nothing get their old tensors back."""
+        self._call("refit_abandon_update")
+
+    def apply_kv_policy(self, policy: KvScalePolicy, version: int, measured: AmaxRows | None) -> list[str]:
+        """The post-refit stage's write; returns the attention scales written ("module.scale")."""
+        return self._call("refit_apply_kv_policy", str(policy), version, measured)[0]
+
+    def start_amax(self) -> None:
+        self._call("refit_start_amax")
+
+    def stop_amax(self) -> AmaxRows:
+        """Attention amax since `start_amax`, the max over tensor-parallel ranks (each sees its own heads)."""
+        return max_over_ranks(self._call("refit_stop_amax"))
+
+    def join_group(self, rendezvous: Rendezvous, member_offset: int) -> None:
+        """Every worker joins the collective group as member `member_offset` + its rank; blocks until the group is whole."""
+        self._call("refit_join_group", rendezvous.to_plain(), member_offset)
+
+    def leave_group(self) -> None:
+        self._call("refit_leave_group")
+
+    def scale_records(self) -> list[ScaleRecord]:
+        rows = self._call("refit_scale_records")[0]
+        return [ScaleRecord(**{**row, "source": ScaleSource(row["source"])}) for row in rows]
+
+
+class RefitWorkerExtension:
+    """The workers' end, mixed into vLLM's worker class; `self` is the worker."""
+
+    def _refit(self) -> RefitTransferBackend:
+        from refit.engine.transfer_backend import backend_of  # imports vLLM, which a worker has
+
+        return backend_of(self)
+
+    def refit_abandon_update(self) -> None:
+        """Close a failed update, whether or not vLLM's worker still counts it as active."""
+        self._refit().abandon()
+        self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
+
+    def refit_join_group(self, rendezvous: list, member_offset: int) -> None:
+        """Join the sync's collective group as member `member_offset` + this worker's rank in its engine."""
+        self._refit().join_group(Rendezvous.from_plain(rendezvous), member_offset + self.rank)
+
+    def refit_leave_group(self) -> None:
+        self._refit().leave_group()
+
+    def refit_expect_plan(self, plan: bytes, transport: str) -> None:
+        """The open update's plan, pickled by the replica (the same trusted sender as every RPC here)."""
+        self._refit().expect_plan(pickle.loads(plan), transport)
+
+    def refit_streamed(self) -> list[str]:
+        return self._refit().streamed()
+
+    def refit_scale_records(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self._refit().provenance.records()]
+
+    def refit_start_amax(self) -> None:
+        backend = self._refit()
+        backend.amax_recorder = AttentionAmaxRecorder(backend.model)
+        backend.amax_recorder.start()
+
+    def refit_stop_amax(self) -> AmaxRows:
+        amax = self._refit().amax_recorder.stop()
+        return [(module, scale, value) for (module, scale), value in amax.items()]
+
+    def refit_apply_kv_policy(self, policy: str, version: int, measured: AmaxRows | None) -> list[str]:
+        backend = self._refit()
+        amax = {(module, scale): value for module, scale, value in measured} if measured else None
+        return apply_kv_scale_policy(backend.model, backend.provenance, KvScalePolicy(policy), version, amax)
+
+
+def max_over_ranks(per_rank: list[AmaxRows]) -> AmaxRows:
+    """Attention amax measured by each tensor-parallel worker (each sees its own heads): the max over them."""
+    amax: dict[tuple[str, str], float] = {}
+    for rows in per_rank:
+        for module, scale, value in rows:
+            amax[(module, scale)] = max(amax.get((module, scale), 0.0), value)
+    return [(module, scale, value) for (module, scale), value in amax.items()]

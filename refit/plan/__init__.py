@@ -1,0 +1,38 @@
+"""What every part of a sync agrees on: the trainer, the driver and each replica import it; it imports none of them.
+
+- `config`: `SyncConfig` and its enums (`Transport`, `Pause`, `Verify`, `QuantizeOn`), validated once.
+- `tensors`: `TensorMeta`, a trainer tensor described without its data.
+- `checkpoint_format`: a trainer's model under the rollout checkpoint's names and shapes (transformers' save conversion).
+- `expected_weights`: what the rollout's model expects, from its checkpoint headers or its config.
+- `transfer_plan`: what is sent in which form and bucket (made once, reused), checked against the rollout.
+- `data_path`: the plan carried out at both ends: the trainer's (`produce_buckets`) and the replica's (`loadable_tensors`).
+
+A leaf of the package graph: nothing here imports `refit.orchestration` (the
+driver) or `refit.engine` (vLLM), which tests/test_architecture.py checks,
+so a trainer image needs neither the driver nor vLLM to use it.
+"""
+
+from refit.plan.checkpoint_format import CheckpointView, checkpoint_tensors, describe_weights
+from refit.plan.config import Pause, QuantizeOn, SyncConfig, Transport, Verify
+from refit.plan.data_path import loadable_tensors, produce_buckets
+from refit.plan.tensors import TensorMeta, module_classes
+from refit.plan.transfer_plan import PlannedTensor, RolloutModelInfo, TransferPlan, make_plan
+
+__all__ = [
+    "CheckpointView",
+    "Pause",
+    "PlannedTensor",
+    "QuantizeOn",
+    "RolloutModelInfo",
+    "SyncConfig",
+    "TensorMeta",
+    "TransferPlan",
+    "Transport",
+    "Verify",
+    "checkpoint_tensors",
+    "describe_weights",
+    "loadable_tensors",
+    "make_plan",
+    "module_classes",
+    "produce_buckets",
+]

@@ -1,0 +1,139 @@
+"""`ReplicaCore`, the one replica side of a sync, against a recording engine adapter (no Ray, no vLLM).
+
+Pins the order in which an update touches its engine (hold, pause, start,
+load, finish, resume, KV stage, release), that every failure inside a step
+closes the update on the replica itself (regression: the batch actor used
+to leave a failed completeness check open for the driver to abort, while
+the async actor closed it), that a rival sync's begin never releases the
+requests the open update holds, and the lease watchdog.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from refit.engine.lifecycle import Phase
+from refit.engine.replica import EngineFacts, Generation, ReplicaCore
+from refit.errors import LifecycleError, VerificationError
+from refit.plan import RolloutModelInfo, SyncConfig, checkpoint_tensors, describe_weights, make_plan, produce_buckets
+from tests.support.fakes import FP8_BLOCK, tiny_decoder
+
+ENGINE_CALLS = {"hold_requests", "pause", "resume", "release_requests", "reset_prefix_cache", "generate"}
+
+
+class RecordingEngine:
+    """An engine adapter whose workers load into a set of names; every call is recorded in order."""
+
+    def __init__(self, *, drop: str | None = None) -> None:
+        self.facts = EngineFacts(RolloutModelInfo(FP8_BLOCK, False), vocab_size=64, workers=1, fp8_kv_cache=False,
+                                 initial_refusal=None)
+        self.calls: list[str] = []
+        self.loaded: set[str] = set()
+        self.drop = drop  # a tensor the workers "lose": the completeness check must catch it
+
+    def check(self, config: SyncConfig) -> None:
+        pass
+
+    def call_workers(self, method: str, *args):
+        self.calls.append(method)
+        if method == "update_weights":
+            self.loaded |= {name for name, _ in args[0]["tensors"] if name != self.drop}
+        answers = {"refit_streamed": sorted(self.loaded), "refit_apply_kv_policy": ["model.layers.0.self_attn.attn.k_scale"],
+                   "refit_stop_amax": [("model.layers.0.self_attn.attn", "k_scale", 2.0)], "refit_scale_records": []}
+        return [answers.get(method)]
+
+    def generate(self, prompts, max_tokens, *, prompt_logprobs=False) -> Generation:
+        self.calls.append("generate")
+        return Generation([[0]] * len(prompts), [[0.0]] * len(prompts), None)
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+    def hold_requests(self) -> None:
+        self.calls.append("hold_requests")
+
+    def pause(self, mode, timeout_s) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def release_requests(self) -> None:
+        self.calls.append("release_requests")
+
+
+def _setup(engine: RecordingEngine, **config):
+    model = tiny_decoder()
+    config = SyncConfig(bucket_bytes=100_000, timeout_s=5, **config)
+    plan = make_plan(describe_weights(model), RolloutModelInfo(FP8_BLOCK, False), config)
+    return ReplicaCore(engine), plan, config, list(produce_buckets(plan, checkpoint_tensors(model)))
+
+
+def _sync(core, plan, config, buckets, sync_id="s1"):
+    version = core.begin_update(plan, sync_id, config)
+    for bucket in buckets:
+        core.load_bucket(sync_id, version, bucket)
+    return version, core.finish_update(sync_id, version)
+
+
+def test_an_update_touches_its_engine_in_one_order_and_serves_its_version():
+    engine = RecordingEngine()
+    core, plan, config, buckets = _setup(engine)
+    version, finished = _sync(core, plan, config, buckets)
+    assert core.status().phase is Phase.SERVING and core.status().served_version == version
+    assert finished.kv_scales_written == ("model.layers.0.self_attn.attn.k_scale",)
+    assert engine.calls == (["hold_requests", "pause", "start_weight_update"] + ["update_weights"] * len(buckets)
+                            + ["refit_streamed", "finish_weight_update", "resume", "refit_apply_kv_policy",
+                               "reset_prefix_cache", "release_requests"])
+    assert core.last_update()["buckets"] == len(buckets) and core.last_update()["outcome"] == "served"
+
+
+def test_the_kv_recompute_sequence_makes_placeholders_valid_then_measures_then_writes():
+    engine = RecordingEngine()
+    core, plan, config, buckets = _setup(engine, kv_scales="recompute", calibration_prompts=[[1, 2, 3]])
+    _sync(core, plan, config, buckets)
+    stage = engine.calls[engine.calls.index("resume") + 1:]
+    assert stage == ["refit_apply_kv_policy", "refit_start_amax", "generate", "refit_stop_amax", "refit_apply_kv_policy",
+                     "reset_prefix_cache", "release_requests"]
+
+
+def test_a_failed_completeness_check_closes_the_update_on_the_replica_itself():
+    """Regression: the batch actor left this update open for the driver's abort (the async one closed it)."""
+    engine = RecordingEngine(drop="model.layers.1.mlp.down_proj.weight")
+    core, plan, config, buckets = _setup(engine)
+    version = core.begin_update(plan, "s1", config)
+    for bucket in buckets:
+        core.load_bucket("s1", version, bucket)
+    with pytest.raises(VerificationError, match="down_proj"):
+        core.finish_update("s1", version)
+    status = core.status()
+    assert status.phase is Phase.REFUSING and "finishing the reload failed" in status.reason
+    assert engine.calls[-3:] == ["refit_abandon_update", "resume", "release_requests"]
+    assert core.abort_update("s1", "the driver's abort, after the fact") == status  # nothing left open
+    assert core.last_update()["outcome"].startswith("failed: finishing the reload failed")
+
+
+def test_a_rival_sync_is_refused_without_releasing_the_requests_the_open_update_holds():
+    engine = RecordingEngine()
+    core, plan, config, _ = _setup(engine)
+    core.begin_update(plan, "s1", config)
+    before = list(engine.calls)
+    with pytest.raises(LifecycleError, match="another sync"):
+        core.begin_update(plan, "s2", config)
+    assert engine.calls == before  # neither held nor released again
+    assert core.status().phase is Phase.UPDATING and core.status().sync_id == "s1"
+
+
+def test_an_update_whose_sync_stopped_calling_is_closed_by_the_watchdog():
+    engine = RecordingEngine()
+    core, plan, config, _ = _setup(engine)
+    core.begin_update(plan, "s1", SyncConfig(bucket_bytes=100_000, timeout_s=0.2))
+    deadline = time.monotonic() + 10
+    while core.status().phase is Phase.UPDATING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = core.status()
+    assert status.phase is Phase.SERVING and "release_requests" in engine.calls  # nothing loaded: back to serving
+    assert "stopped calling" in core.last_update()["outcome"]
+    core.close()

@@ -1,0 +1,57 @@
+"""Rollout actors written the way an RL framework writes them: its own engine, its own arguments, refit's replica held inside.
+
+Not refit's actors: each constructs a `vllm.LLM` or an `AsyncLLM` itself,
+merges `refit.engine_kwargs()` into its arguments, holds
+`refit.llm_replica(llm)` / `refit.async_llm_replica(llm)` and takes the
+methods `refit.Syncer` calls from `refit.ReplicaMethods` /
+`refit.AsyncReplicaMethods` (as examples/own_engine.py does). Here, not in
+a test module, because Ray must import the classes in the actors' processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+import refit
+
+ENGINE = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3", "max_model_len": 128, "enforce_eager": True,
+          "skip_tokenizer_init": True}
+
+
+@ray.remote
+class UserLLMRollout(refit.ReplicaMethods):
+    """A threaded actor with an in-process `vllm.LLM` (one request batch at a time)."""
+
+    def __init__(self, model_dir: str) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.llm = LLM(model=model_dir, **ENGINE, **refit.engine_kwargs())
+        self.replica = refit.llm_replica(self.llm)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+        with self.replica.request():
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        done = [out.outputs[0] for out in outputs]
+        return [list(c.token_ids) for c in done], [[s[t].logprob for s, t in zip(c.logprobs, c.token_ids)] for c in done]
+
+
+@ray.remote
+class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
+    """An async actor with an `AsyncLLM` (engine core in its own process, so synced over `transport="collective"`)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE, **refit.engine_kwargs()))
+        self.replica = refit.async_llm_replica(self.llm)
+
+    async def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        done = [await self.replica.serve(p, max_tokens) for p in prompts]
+        return [c.token_ids for c in done], [c.logprobs for c in done]

@@ -1,0 +1,102 @@
+"""Engines the user constructs: a `vllm.LLM` and an `AsyncLLM`, each in a user-written Ray actor, synced by `refit.Syncer`.
+
+Each is checked against `actors.RolloutActor` synced from the same trainer:
+the same tokens and logprobs, the same scale provenance. All three start
+the seed bug's way (FP8_BLOCK, `load_format="dummy"`, FP8 KV cache), so
+each refuses before its first sync and serves only after refit has reset
+its placeholder KV scales. The drifted failure path (a failed completeness
+check) runs on every replica kind: the replica closes the update itself,
+without waiting for the driver's abort.
+
+Three engines for the whole module (~15 s each): assertions are
+parametrized over the replica kinds, never a new engine per test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import refit
+from fixtures import NEW_TOKENS, make_prompts, model_dir
+from refit import Phase
+from tests.support.user_engines import UserAsyncLLMRollout, UserLLMRollout
+
+KINDS = ["llm", "async_llm"]
+PROMPTS = make_prompts(4, 8, seed=5)
+COLLECTIVE = refit.SyncConfig(transport="collective")
+
+
+def _user(actor_class, node: int, model: str, factory):
+    return factory.keep(actor_class.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(model))
+
+
+@pytest.fixture(scope="module")
+def replicas(module_actors):
+    """Trainer, reference and both user-engine replicas, each synced once; the statuses they had before."""
+    model = str(model_dir(True, "fp8_block"))
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    kinds = {
+        "reference": module_actors.rollout(model, node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3"),
+        "llm": _user(UserLLMRollout, 2, model, module_actors),
+        "async_llm": _user(UserAsyncLLMRollout, 2, model, module_actors),
+    }
+    before = {kind: ray.get(replica.status.remote()) for kind, replica in kinds.items()}
+    refit.Syncer(trainer, [kinds["reference"], kinds["llm"]]).sync()
+    with refit.Syncer(trainer, kinds["async_llm"], COLLECTIVE) as syncer:  # AsyncLLM: its core is in its own process
+        syncer.sync()
+    return trainer, kinds, before
+
+
+def _generate(kind: str, replica, prompts) -> tuple[list[list[int]], list[list[float]]]:
+    if kind == "reference":
+        out = ray.get(replica.generate.remote(prompts, NEW_TOKENS))
+        return out.token_ids, out.logprobs
+    return ray.get(replica.generate.remote(prompts, NEW_TOKENS))
+
+
+@pytest.mark.parametrize("kind", ["reference", *KINDS])
+def test_before_the_first_sync_a_dummy_loaded_replica_refuses(replicas, kind):
+    _, _, before = replicas
+    assert before[kind].phase is Phase.REFUSING and "load_format='dummy'" in before[kind].reason
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_user_engine_serves_the_tokens_and_logprobs_the_reference_serves(replicas, kind):
+    _, kinds, _ = replicas
+    # AsyncLLM requests run one at a time, so compare prompt by prompt (bf16 sums depend on the batch).
+    batches = [PROMPTS] if kind == "llm" else [[p] for p in PROMPTS]
+    for batch in batches:
+        tokens, logprobs = _generate(kind, kinds[kind], batch)
+        ref_tokens, ref_logprobs = _generate("reference", kinds["reference"], batch)
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for row, ref in zip(logprobs, ref_logprobs) for a, b in zip(row, ref)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_user_engine_records_the_provenance_the_reference_records(replicas, kind):
+    _, kinds, _ = replicas
+    records = ray.get(kinds[kind].scale_records.remote())
+    reference = ray.get(kinds["reference"].scale_records.remote())
+    assert records == reference
+    kv = [r for r in records if r.kind == "attention" and r.scale in ("k_scale", "v_scale")]
+    assert kv and all((r.source, r.version, r.value) == (refit.ScaleSource.DEFAULT, 1, 1.0) for r in kv)  # dummy scales, reset
+    assert any(r.kind == "weight" and r.source is refit.ScaleSource.REFIT and r.version == 1 for r in records)
+
+
+@pytest.mark.parametrize("kind", ["reference", *KINDS])
+def test_a_failed_completeness_check_closes_the_update_on_the_replica_itself(replicas, kind):
+    """Regression: `RolloutActor` left this update open for the driver to abort; the async actor closed it itself."""
+    trainer, kinds, _ = replicas
+    replica = kinds[kind]
+    config = COLLECTIVE if kind == "async_llm" else refit.SyncConfig()
+    served, tokens_before = ray.get(replica.status.remote()).served_version, _generate(kind, replica, PROMPTS[:1])[0]
+    plan = refit.Syncer(trainer, replica, config).plan()
+    version = ray.get(replica.begin_update.remote(plan, "incomplete", config))
+    with pytest.raises(refit.VerificationError, match="did not deliver"):
+        ray.get(replica.finish_update.remote("incomplete", version))  # no bucket was sent
+    status = ray.get(replica.status.remote())  # no abort_update yet: the replica closed the update itself
+    assert (status.phase, status.served_version) == (Phase.SERVING, served)  # nothing was loaded: the old version serves on
+    assert ray.get(replica.last_update.remote())["outcome"].startswith("failed: finishing the reload failed")
+    assert ray.get(replica.abort_update.remote("incomplete", "the driver's abort, after the fact")) == status
+    assert _generate(kind, replica, PROMPTS[:1])[0] == tokens_before
