@@ -12,9 +12,12 @@ import ray
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
-from tests.support.actors import prompt_logprobs, run_in
+from tests.support.actors import greedy_gaps, prompt_logprobs, run_in, snapshot_weights
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=11)
+TIE_NATS = 0.05
+"""How far below the trainer's best token a rollout's greedy token may be: HF and vLLM round bf16 differently, and
+these barely trained models (random weights plus a few steps) repeat tokens with near-tied logits."""
 
 
 def changed_trainer(actors_factory, tied: bool, *, node: int = 0, steps: int = 3):
@@ -22,6 +25,14 @@ def changed_trainer(actors_factory, tied: bool, *, node: int = 0, steps: int = 3
     for step in range(steps):
         ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=step).tolist()))
     return trainer
+
+
+def assert_greedy_under_the_trainer(trainer, version: int, token_ids: list[list[int]]) -> None:
+    """Every token the rollout generated is the trainer's greedy choice at its step, up to a bf16 tie."""
+    run_in(trainer, snapshot_weights, version)
+    sequences = [list(prompt) + list(tokens) for prompt, tokens in zip(PROMPTS, token_ids)]
+    gaps = run_in(trainer, greedy_gaps, version, sequences, PROMPT_LEN)
+    assert max(gaps) < TIE_NATS, gaps
 
 
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -39,7 +50,7 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
 
     assert report.version == 1 and report.replicas[0].served_version == 1
     out = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
-    assert out.token_ids == ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
+    assert_greedy_under_the_trainer(trainer, report.version, out.token_ids)
     reference = run_in(trainer, prompt_logprobs, PROMPTS)
     assert max_abs_diff([row[1:] for row in out.prompt_logprobs], reference) < 1e-2
 
@@ -55,11 +66,10 @@ def test_tensor_parallel_engine_with_worker_processes(actors_factory):
         model_dir(True, "bf16"), load_format="dummy", tensor_parallel_size=2,
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker; vLLM cannot auto-bind 2 on 1 NUMA node
     )
-    expected = ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
     # From the dummy weights over the collective transport (both workers join the group and receive every
-    # bucket themselves), then over Ray's object store: the trainer's tokens both times.
+    # bucket themselves), then over Ray's object store: the trainer's greedy tokens both times.
     report = refit.sync(trainer, rollout, refit.SyncConfig(transport="collective", bucket_bytes=128 << 10))
     assert report.replicas[0].served_version == 1 and report.buckets > 2
-    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected
+    assert_greedy_under_the_trainer(trainer, 1, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids)
     assert refit.sync(trainer, rollout).replicas[0].served_version == 2
-    assert ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == expected
+    assert_greedy_under_the_trainer(trainer, 2, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids)
