@@ -4,29 +4,20 @@ on a shared machine only the ratios of one full-size run mean anything, and the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.bench_alternatives import CLONE, DEFAULT, ROUND_TRIP, refit_paths
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.scripts import run_python
 
 
 @pytest.mark.engine
 def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_cluster, tmp_path):
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_alternatives", "--sizes", "2x256", "--repeats", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    out = run_python(["-m", "benchmarks.bench_alternatives", "--sizes", "2x256", "--repeats", "1", "--out", str(tmp_path)],
+                     ray_address=ray_cluster.address)
     paths = [*refit_paths(1 << 20), ROUND_TRIP, CLONE]
     for name in paths:
-        assert f"  {name}" in result.stdout, result.stdout
+        assert f"  {name}" in out, out
     summary = json.loads((tmp_path / "bench.json").read_text())
     (size,) = summary["sizes"]
     assert set(size["paths"]) == set(paths)

@@ -11,28 +11,17 @@ take a cluster address get that cluster; the demo starts its own.
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from fixtures import NEW_TOKENS, expected_continuation, model_dir
+from tests.support.scripts import REPO, run_python
 
-REPO = Path(__file__).resolve().parents[1]
 PLACEHOLDERS = {
     "path/to/hf_checkpoint": str(model_dir(True, "bf16")),
     "path/to/fp8_block_checkpoint": str(model_dir(True, "fp8_block")),
 }
-
-
-def run_python(args: list[str], timeout: float = 600, *, ray_address: str | None = None) -> str:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray_address} if ray_address else {})}
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout
 
 
 def readme_python_blocks() -> list[str]:

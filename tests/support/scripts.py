@@ -1,0 +1,21 @@
+"""Run a script of this repository in its own Python process, as a user would start it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(args: list[str], timeout: float = 600, *, ray_address: str | None = None) -> str:
+    """`python ARGS` from the repository root; its stdout, after asserting it exited 0 (showing its output if not).
+
+    `ray_address`: set as RAY_ADDRESS, so a plain `ray.init()` joins that cluster.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray_address} if ray_address else {})}
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout
