@@ -41,6 +41,7 @@ import torch
 
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
+from refit.engine.llm import freeze_import_heap
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
 from refit.plan.config import Pause, SyncConfig, Transport
@@ -77,6 +78,7 @@ def start_async_llm(config: EngineConfig) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    freeze_import_heap()
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**config.llm_kwargs(on_gpu=torch.cuda.is_available())))
 
 
