@@ -51,14 +51,11 @@ def plasma_objects() -> int:
     return int(match.group(1))
 
 
-def test_soak(module_actors, tmp_path):
-    replicas = [
-        module_actors.rollout(model_dir(False, "fp8_block"), node=n, load_format="dummy", kv_cache_dtype="fp8_e4m3")
-        for n in (1, 2)
-    ]
+def test_soak(shared_replicas, module_actors, tmp_path):
+    replicas = shared_replicas  # the session's two dummy-loaded FP8 replicas; the first sync makes them whole
     # Start from the trained model: FP8 rollouts then match the bf16 trainer token for token.
-    trainer = module_actors.trainer(model_dir(False, "bf16"), lr=3e-4)
-    short = module_actors.trainer(write_fewer_layers(model_dir(False, "bf16"), tmp_path / "one-layer", 1))
+    trainer = module_actors.trainer(model_dir(True, "bf16"), lr=3e-4)
+    short = module_actors.trainer(write_fewer_layers(model_dir(True, "bf16"), tmp_path / "one-layer", 1))
     syncer = refit.Syncer(trainer, replicas, CONFIG)
 
     faults = {"nan": 0, "missing layer": 0, "racing sync": 0}
