@@ -80,8 +80,10 @@ ROUND = re.compile(
 
 @pytest.mark.engine
 def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
-    out = run_python(["examples/rl_loop.py", "--address", ray_cluster.address, "--rounds", "3", "--warmup-steps", "30",
-                      "--transport", "collective"])
+    # A smaller batch than the default (16 prompts x 4 samples, not 64 x 8): what this checks is that the loop runs
+    # over the collective transport and its rollouts track the trainer; the demo's test checks that it learns.
+    out = run_python(["examples/rl_loop.py", "--address", ray_cluster.address, "--rounds", "3", "--warmup-steps", "10",
+                      "--prompts", "16", "--group", "4", "--transport", "collective"])
     rounds = ROUND.findall(out)
     assert len(rounds) == 3, out
     versions = [int(r[1]) for r in rounds]
@@ -96,7 +98,9 @@ def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
 def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path):
     """A short demo: reward rises, refit's rollouts track the trainer, the replica keeping its placeholder KV scales collapses."""
     png = tmp_path / "demo.png"
-    out = run_python(["-m", "examples.demo", "--rounds", "3", "--plot", str(png)])
+    # Half the default dataset (32 prompts): the test's three rounds cost half as much and still learn
+    # (measured: reward 0.28 -> 0.52, refit's greedy accuracy 0.16, the seed-bug replica's 0.03).
+    out = run_python(["-m", "examples.demo", "--rounds", "3", "--prompts", "32", "--plot", str(png)])
     assert re.search(r"^engines started: up [\d.]+ s after the loop began", out, re.MULTILINE), out
     rounds = ROUND.findall(out)
     assert len(rounds) == 3, out
@@ -110,7 +114,7 @@ def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path
                       r"seed-bug replica accuracy ([\d.]+)$", out, re.MULTILINE)
     assert final, out
     first, last, gap, seed_bug = map(float, final.groups())
-    assert last >= first + 0.08, out  # the policy learns through the FP8 rollouts (measured: +0.15 to +0.2 in 3 rounds)
+    assert last >= first + 0.08, out  # the policy learns through the FP8 rollouts (measured: +0.24 in 3 rounds)
     assert gap <= 0.1, out
     refit_accuracy = float(rounds[-1][5])
     assert seed_bug <= refit_accuracy - 0.1, out  # placeholder KV scales: not the policy refit's rollouts serve
