@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
 from refit.errors import VerificationError
@@ -61,33 +62,6 @@ class Generation:
     token_ids: list[list[int]]
     logprobs: list[list[float]]  # of each generated token
     prompt_logprobs: list[list[float | None]] | None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFacts:
-    """What the core needs to know about an engine, read once from its vLLM config (`EngineFacts.of`)."""
-
-    model_info: RolloutModelInfo
-    vocab_size: int
-    workers: int  # vLLM workers, each a rank of a collective group
-    fp8_kv_cache: bool
-    initial_refusal: str | None  # why it must not serve before its first sync (a dummy load)
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> EngineFacts:
-        """From a running engine's `VllmConfig`, so an engine the user started is described as one refit started."""
-        model_dir = vllm_config.model_config.model
-        dummy = str(vllm_config.load_config.load_format) == "dummy"
-        return cls(
-            model_info=RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy),
-            vocab_size=int(vllm_config.model_config.get_vocab_size()),
-            workers=int(vllm_config.parallel_config.world_size),
-            fp8_kv_cache=str(vllm_config.cache_config.cache_dtype).startswith("fp8"),
-            initial_refusal=(
-                "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
-                if dummy else None
-            ),
-        )
 
 
 class EngineAdapter(Protocol):
