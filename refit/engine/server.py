@@ -192,10 +192,7 @@ class ServerAdapter:
 
     # -- HTTP ---------------------------------------------------------------------------
     def _require_health(self) -> None:
-        try:
-            self._request("GET", "/health", raw=True)
-        except ServerError as error:
-            raise ServerError(f"{error}; is a server running there? {_START_HINT}") from None
+        self._request("GET", "/health", raw=True, if_unreachable=f"is a server running there? {_START_HINT}, then connect")
 
     def _boot_ids(self) -> list[str]:
         return self._call_workers_once("refit_boot_id")
@@ -214,7 +211,7 @@ class ServerAdapter:
         return results
 
     def _request(self, verb: str, path: str, body: dict | None = None, *, timeout_s: float | None = None,
-                 what: str | None = None, raw: bool = False) -> Any:
+                 what: str | None = None, raw: bool = False, if_unreachable: str | None = None) -> Any:
         what = what or f"{verb} {path}"
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
@@ -231,10 +228,11 @@ class ServerAdapter:
             ) from None
         except (urllib.error.URLError, ConnectionError, OSError) as error:
             reason = getattr(error, "reason", error)
-            raise ServerError(
-                f"the server at {self.url} could not be reached for {what}: {reason}; it died or its address is "
-                f"wrong. If it died, restart it ({_START_HINT}) and create a new actors.ServerRollout for it"
-            ) from None
+            fix = if_unreachable or (
+                f"it died or its address is wrong. If it died, restart it ({_START_HINT}) and create a new "
+                "actors.ServerRollout for it"
+            )
+            raise ServerError(f"the server at {self.url} could not be reached for {what}: {reason}; {fix}") from None
         if raw or not payload:
             return payload
         return json.loads(payload)

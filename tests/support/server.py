@@ -40,10 +40,13 @@ def http_json(url: str, body: dict | None = None, *, timeout_s: float = 60) -> d
 
 
 class RefitServer:
-    """`refit serve MODEL --host 127.0.0.1 --port P OPTIONS...` as a subprocess; `stop()` ends its process group."""
+    """`refit serve MODEL --host 127.0.0.1 --port P OPTIONS...` as a subprocess; `stop()` ends its process group.
 
-    def __init__(self, model: str | Path, options: list[str], log_path: Path) -> None:
-        self.port = free_port()
+    `port`: a given one (a server restarted where another was), else a free one.
+    """
+
+    def __init__(self, model: str | Path, options: list[str], log_path: Path, *, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
         self.log_path = log_path

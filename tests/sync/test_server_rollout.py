@@ -6,7 +6,8 @@ on a busy two-core machine), started the seed bug's way (FP8_BLOCK,
 the trainer and the reference `RolloutActor` start. Both replicas are synced
 from the same trainer over the collective transport; the server is then
 queried as its users query it, over its OpenAI API, and must serve what
-the reference serves. The last test kills the server mid-sync.
+the reference serves. The last two tests kill the server mid-sync, then
+restart it on the same port.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import actors
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
+from refit.engine.server import ServerError
 from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.server import RefitServer, free_port, http_json
 
@@ -30,14 +32,14 @@ COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
 SERVER_START_WITHIN_S = 600
 
 
+# The seed bug's way: placeholder weights and scales, FP8 KV cache; options `refit serve` passes on to vllm serve.
+SERVER_OPTIONS = ["--load-format", "dummy", "--kv-cache-dtype", "fp8_e4m3", "--enforce-eager", "--max-model-len", "128",
+                  "--kv-cache-memory-bytes", str(TEST_KV_CACHE_BYTES)]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    started = RefitServer(
-        model_dir(True, "fp8_block"),
-        ["--load-format", "dummy", "--kv-cache-dtype", "fp8_e4m3", "--enforce-eager", "--max-model-len", "128",
-         "--kv-cache-memory-bytes", str(TEST_KV_CACHE_BYTES)],
-        tmp_path_factory.mktemp("server") / "serve.log",
-    )
+    started = RefitServer(model_dir(True, "fp8_block"), SERVER_OPTIONS, tmp_path_factory.mktemp("server") / "serve.log")
     try:
         yield started
     finally:
@@ -140,3 +142,20 @@ def test_a_server_killed_mid_sync_is_named_and_the_other_replica_goes_on(server,
     assert state.phase is not Phase.UPDATING and (state.phase is Phase.SERVING or server.url in state.reason)
     report = refit.sync(trainer, reference, COLLECTIVE)
     assert ray.get(reference.status.remote()).served_version == report.version
+
+
+def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, module_actors,
+                                                                                            tmp_path):
+    """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it."""
+    trainer, _, replica, _, _ = synced
+    restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port)
+    try:
+        restarted.wait_until_healthy(SERVER_START_WITHIN_S)
+        with pytest.raises(ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
+            refit.sync(trainer, replica, COLLECTIVE)
+        fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url))
+        report = refit.sync(trainer, fresh, COLLECTIVE)
+        assert http_json(restarted.url + "/weight_info")["weight_version"] == str(report.version)
+        assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
+    finally:
+        restarted.stop()
