@@ -57,11 +57,11 @@ from typing import Any
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.engine.replica import EngineFacts, Generation
 from refit.engine.worker_rpc import decode_reply, encode_call
-from refit.errors import ConfigError, EngineError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, ServerError, SyncTimeoutError
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
 
-__all__ = ["DEV_MODE_ENV", "ServerAdapter", "ServerError", "serve_arguments"]
+__all__ = ["DEV_MODE_ENV", "ServerAdapter", "serve_arguments"]
 
 log = logging.getLogger("refit.engine")
 
@@ -71,10 +71,6 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
 # A join blocks until every member of the group joined (its own deadline): the HTTP call waits a little longer.
 _JOIN_MARGIN_S = 10.0
-
-
-class ServerError(EngineError):
-    """A `vllm serve` replica's server cannot be reached, lacks what refit needs, or restarted; the message names its URL."""
 
 
 def serve_arguments(options: Sequence[str], *, on_gpu: bool) -> list[str]:

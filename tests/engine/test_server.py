@@ -6,9 +6,9 @@ import json
 import pytest
 
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
-from refit.engine.server import ServerError, serve_arguments
+from refit.engine.server import serve_arguments
 from refit.engine.worker_rpc import RefitWorkerExtension, decode_reply, encode_call
-from refit.errors import ConfigError, EngineError
+from refit.errors import ConfigError, EngineError, ServerError
 
 
 def test_refit_adds_its_worker_extension_backend_and_on_a_cpu_the_engine_configs_kv_cache():

@@ -22,7 +22,6 @@ import actors
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
-from refit.engine.server import ServerError
 from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.server import RefitServer, free_port, http_json
 
@@ -151,7 +150,7 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
     restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port)
     try:
         restarted.wait_until_healthy(SERVER_START_WITHIN_S)
-        with pytest.raises(ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
+        with pytest.raises(refit.ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
             refit.sync(trainer, replica, COLLECTIVE)
         fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url))
         report = refit.sync(trainer, fresh, COLLECTIVE)
