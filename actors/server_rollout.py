@@ -20,8 +20,7 @@ import ray
 
 from actors._logging import show_refit_logs
 from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus
-from refit.engine.replica import ReplicaCore
-from refit.engine.server import ServerAdapter
+from refit.engine.server import server_replica
 from refit.plan.config import SyncConfig
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import ScaleRecord, format_table, to_json
@@ -43,8 +42,7 @@ class ServerRollout:
 
     def __init__(self, url: str, connect_timeout_s: float = 30.0) -> None:
         show_refit_logs()
-        self.engine = ServerAdapter(url, connect_timeout_s=connect_timeout_s)
-        self.replica = ReplicaCore(self.engine)
+        self.replica = server_replica(url, connect_timeout_s=connect_timeout_s)
 
     # -- observation ("observe": never waits for an update) ----------------------
     @ray.method(concurrency_group="observe")
@@ -74,7 +72,7 @@ class ServerRollout:
 
     @ray.method(concurrency_group="observe")
     def url(self) -> str:
-        return self.engine.url
+        return self.replica.engine.url
 
     # -- update lifecycle ("update": one thread, submission order) ------------
     @ray.method(concurrency_group="update")
@@ -97,10 +95,8 @@ class ServerRollout:
 
     @ray.method(concurrency_group="update")
     def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
-        """The core's finish, then the server's weight version becomes `version`."""
-        finished = self.replica.finish_update(sync_id, version, probe)
-        self.engine.publish_version(version)
-        return finished
+        """The core's finish; its last step sets the server's weight version to `version`."""
+        return self.replica.finish_update(sync_id, version, probe)
 
     @ray.method(concurrency_group="update")
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:

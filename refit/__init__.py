@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
     from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
     from refit.engine.llm import llm_replica
     from refit.engine.replica import ReplicaCore, ReplicaMethods
+    from refit.engine.server import server_replica
     from refit.orchestration import Syncer, SyncReport, sync
     from refit.plan import (
         CheckpointView,
@@ -92,6 +93,7 @@ _LAZY = {
     "engine_kwargs": "refit.engine.config",
     "llm_replica": "refit.engine.llm",
     "async_llm_replica": "refit.engine.async_llm",
+    "server_replica": "refit.engine.server",
     "AsyncReplica": "refit.engine.async_llm",
     "ReplicaCore": "refit.engine.replica",
     "ReplicaMethods": "refit.engine.replica",

@@ -13,7 +13,8 @@ An engine takes part only through an `EngineAdapter`: how to call its
 workers, how to generate, and how to hold, pause, resume and release its
 requests around an update. `LLMAdapter` (refit/engine/llm.py) adapts an
 in-process `vllm.LLM`, `AsyncLLMAdapter` (refit/engine/async_llm.py) an
-`AsyncLLM`. Every method here blocks: an actor runs the update steps on one
+`AsyncLLM`, `ServerAdapter` (refit/engine/server.py) a `vllm serve` server
+over HTTP. Every method here blocks: an actor runs the update steps on one
 thread, in submission order (an async actor: on an executor thread, with
 the adapter handing its coroutines to the actor's event loop).
 
@@ -89,6 +90,10 @@ class EngineAdapter(Protocol):
 
     def resume(self) -> None:
         """The scheduler runs again (users' requests are still held)."""
+
+    def mark_version(self, version: int) -> None:
+        """The update to `version` is complete and verified: an engine that labels its outputs with a weight
+        version (a `vllm serve` server's `/update_weight_version`) takes it now, before requests are released."""
 
     def release_requests(self) -> None:
         """Held requests go on: served by the new version, or refused."""
@@ -241,6 +246,8 @@ class ReplicaCore:
                     outcome, probe_passed = f"{outcome}; {result}", result.passed
                     if not result.passed and probe.fail:
                         raise VerificationError(f"the logprob probe after the refit failed: {result}")
+                stage = "setting the engine's weight version"
+                self.engine.mark_version(version)
             except BaseException as error:
                 # After the reload is finalized the model has changed, whatever the bucket count says.
                 self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)

@@ -36,7 +36,8 @@ server directly and never pass through this process:
   sync: its placeholder scales make vLLM's engine die on the first one;
 - after a sync, the server's weight version (vLLM's `/update_weight_version`,
   shown by `/weight_info` and carried by its outputs) is the sync's version,
-  set right after the update finished.
+  set once the update is verified (`mark_version`, the core's last step);
+  requests that ran beside the post-refit stage still carry the old label.
 
 Every HTTP call has a deadline: the sync's `timeout_s` once a sync has
 begun (a socket-level timeout: each connect and read must progress within
@@ -55,13 +56,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
-from refit.engine.replica import EngineFacts, Generation
+from refit.engine.replica import EngineFacts, Generation, ReplicaCore
 from refit.engine.worker_rpc import decode_reply, encode_call
 from refit.errors import ConfigError, EngineError, ServerError, SyncTimeoutError
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
 
-__all__ = ["DEV_MODE_ENV", "ServerAdapter", "serve_arguments"]
+__all__ = ["DEV_MODE_ENV", "ServerAdapter", "serve_arguments", "server_replica"]
 
 log = logging.getLogger("refit.engine")
 
@@ -93,6 +94,13 @@ def serve_arguments(options: Sequence[str], *, on_gpu: bool) -> list[str]:
     if not on_gpu and not sized:
         needed += ["--kv-cache-memory-bytes", str(DEFAULT_CPU_KV_CACHE_BYTES)]
     return needed
+
+
+def server_replica(url: str, *, connect_timeout_s: float = 30.0) -> ReplicaCore:
+    """The running `vllm serve` server at `url` (started by `refit serve`, or with its options) as a replica a
+    `refit.Syncer` can sync, for a Ray actor to hold and delegate the replica methods to (`refit.ReplicaMethods`);
+    `actors.ServerRollout` is one. Raises `refit.ServerError`, naming the URL and the fix, if it cannot be used."""
+    return ReplicaCore(ServerAdapter(url, connect_timeout_s=connect_timeout_s))
 
 
 class ServerAdapter:
@@ -175,14 +183,14 @@ class ServerAdapter:
         """The server's scheduler runs again, and with it every request that waited out the update."""
         self._request("POST", "/resume")
 
+    def mark_version(self, version: int) -> None:
+        """The server's weight version (its `/weight_info`, its outputs' spans) becomes the sync's `version`."""
+        self._request("POST", "/update_weight_version", {"new_version": str(version)})
+
     def release_requests(self) -> None:
         """Nothing: `resume` already let the server's waiting requests go on."""
 
     # -- the server's own state ---------------------------------------------------------
-    def publish_version(self, version: int) -> None:
-        """Set the server's weight version (its `/weight_info`, its outputs' spans) to a sync's `version`."""
-        self._request("POST", "/update_weight_version", {"new_version": str(version)})
-
     def weight_version(self) -> str | None:
         return self._request("GET", "/weight_info")["weight_version"]
 
