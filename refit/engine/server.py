@@ -49,7 +49,6 @@ needs none.
 from __future__ import annotations
 
 import json
-import logging
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -63,8 +62,6 @@ from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
 
 __all__ = ["DEV_MODE_ENV", "ServerAdapter", "serve_arguments", "server_replica"]
-
-log = logging.getLogger("refit.engine")
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 """The environment a server needs: vLLM registers `/collective_rpc`, `/pause` and the RL routes only in dev mode."""
