@@ -106,6 +106,13 @@ def test_a_probed_sync_over_http_passes_and_the_servers_weight_version_is_the_sy
     assert ray.get(replica.status.remote()).served_version == report.version
 
 
+def test_a_sync_that_aborts_requests_in_flight_pauses_the_server_with_vllms_abort_mode(server, synced):
+    trainer, _, replica, _, _ = synced
+    report = refit.sync(trainer, replica, refit.SyncConfig(transport="collective", timeout_s=60, pause="abort"))
+    assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
+    assert accuracy(PROMPTS, [c["token_ids"] for c in completions(server, PROMPTS)]) >= 0.9  # resumed, serving
+
+
 def test_a_transport_whose_bytes_would_cross_http_is_refused_naming_collective(server, synced):
     trainer, _, replica, _, _ = synced
     served = ray.get(replica.status.remote()).served_version
