@@ -29,3 +29,4 @@ fixtures: env
 	@scripts/setup_env.sh llmc
 	$(PY) -m fixtures.make_models
 	.venv-llmc/bin/python -m fixtures.quantize_with_llmcompressor
+	$(PY) -m fixtures.tokenizer

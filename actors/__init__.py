@@ -1,4 +1,4 @@
-"""Ray actor classes for refit: trainers (weight sources) and rollouts (vLLM engines, batch or AsyncLLM).
+"""Ray actor classes for refit: trainers (weight sources) and rollouts (vLLM engines, batch or AsyncLLM, or a `vllm serve` server).
 
 All are ordinary Ray actors an RL framework can create itself; `refit.Syncer`
 relies only on the methods of `refit.protocols.WeightSource` (a trainer, or
@@ -7,7 +7,8 @@ each rank of a `TrainerGroup`) and `refit.protocols.RolloutReplica`.
 
 from actors.async_rollout import AsyncRolloutActor
 from actors.rollout import RolloutActor
+from actors.server_rollout import ServerRollout
 from actors.trainer import TrainerActor
 from actors.trainer_group import TrainerGroup, TrainerRank
 
-__all__ = ["AsyncRolloutActor", "RolloutActor", "TrainerActor", "TrainerGroup", "TrainerRank"]
+__all__ = ["AsyncRolloutActor", "RolloutActor", "ServerRollout", "TrainerActor", "TrainerGroup", "TrainerRank"]

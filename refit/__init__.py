@@ -9,12 +9,13 @@ KV-cache scales after each refit.
 
 Public names load on first use, and none of them imports vLLM except the
 engine side (`refit.engine.llm`, `refit.engine.async_llm` and the vLLM plugins), so trainer and driver
-processes need only torch and Ray.
+processes need only torch and Ray (and so does `actors.ServerRollout`, which reaches a `vllm serve` server over HTTP).
 
 Words used throughout:
 - *trainer*: the weight source (`refit.protocols.WeightSource`);
 - *replica* / *rollout*: one vLLM engine refit updates (`refit.protocols.RolloutReplica`);
-- *engine*: the `vllm.LLM` or `AsyncLLM` inside a replica (`refit.engine.replica.ReplicaCore` drives it);
+- *engine*: the `vllm.LLM` or `AsyncLLM` inside a replica, or the `vllm serve` server behind one
+  (`refit.engine.replica.ReplicaCore` drives it);
 - *loadable form*: the tensors vLLM's loaders take for a weight (for FP8_BLOCK:
   FP8 `weight` plus `weight_scale`, as an llmcompressor checkpoint holds them);
 - *checkpoint*: a model directory on disk, and nothing else;
@@ -37,6 +38,7 @@ from refit.errors import (
     PlanMismatchError,
     RefitError,
     ReplicaRefusingError,
+    ServerError,
     SyncTimeoutError,
     TransportError,
     UnsupportedSchemeError,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
     from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
     from refit.engine.llm import llm_replica
     from refit.engine.replica import ReplicaCore, ReplicaMethods
+    from refit.engine.server import server_replica
     from refit.orchestration import Syncer, SyncReport, sync
     from refit.plan import (
         CheckpointView,
@@ -90,6 +93,7 @@ _LAZY = {
     "engine_kwargs": "refit.engine.config",
     "llm_replica": "refit.engine.llm",
     "async_llm_replica": "refit.engine.async_llm",
+    "server_replica": "refit.engine.server",
     "AsyncReplica": "refit.engine.async_llm",
     "ReplicaCore": "refit.engine.replica",
     "ReplicaMethods": "refit.engine.replica",
@@ -117,6 +121,7 @@ __all__ = [
     "PlanMismatchError",
     "RefitError",
     "ReplicaRefusingError",
+    "ServerError",
     "SyncTimeoutError",
     "TransportError",
     "UnsupportedSchemeError",

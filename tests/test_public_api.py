@@ -39,11 +39,12 @@ def _methods(protocol: type) -> list[str]:
 
 
 def _actor_classes():
-    from actors import AsyncRolloutActor, RolloutActor, TrainerActor, TrainerRank
+    from actors import AsyncRolloutActor, RolloutActor, ServerRollout, TrainerActor, TrainerRank
 
     return [pytest.param(protocol, actor, id=f"{actor.__ray_metadata__.class_name}-{protocol.__name__}")
             for protocol, actor in [(WeightSource, TrainerActor), (WeightSource, TrainerRank),
-                                    (RolloutReplica, RolloutActor), (RolloutReplica, AsyncRolloutActor)]]
+                                    (RolloutReplica, RolloutActor), (RolloutReplica, AsyncRolloutActor),
+                                    (RolloutReplica, ServerRollout)]]
 
 
 @pytest.mark.parametrize(("protocol", "actor"), _actor_classes())

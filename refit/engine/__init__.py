@@ -5,9 +5,12 @@
 - `replica`: `ReplicaCore`, the one implementation of a replica's side of a sync, written against an
   `EngineAdapter` (call the workers, generate, hold/pause/resume/release requests), and
   `ReplicaMethods`, the mixin that hands a user's actor's replica methods to it.
+- `facts`: `EngineFacts`, what a replica knows of its engine (model, workers, KV-cache dtype).
 - `llm`: starting a `vllm.LLM`, and its adapter (`llm_replica(llm)`: a user's engine as a replica).
 - `async_llm`: the same for vLLM's `AsyncLLM` (continuous batching), with `AsyncReplica` and
   `AsyncReplicaMethods` for async actors.
+- `server`: a running `vllm serve` server as a replica (`ServerAdapter`: HTTP for control, a collective
+  group for the bytes), and the options `refit serve` adds.
 - `worker_rpc`: the RPC contract with the workers, both ends (`WorkerCalls`, `RefitWorkerExtension`).
 - `transfer_backend`: the "refit" backend of vLLM's weight-transfer API (worker side).
 - `readback`: the engine's FP8 weight scales read back against what the sync sent.

@@ -263,6 +263,9 @@ class AsyncLLMAdapter:
     def reset_prefix_cache(self) -> None:
         self._run(self.llm.reset_prefix_cache())
 
+    def mark_version(self, version: int) -> None:
+        pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted
+
     def hold_requests(self) -> None:
         self._run(self._set_gate(False))
 

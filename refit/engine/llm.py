@@ -124,6 +124,9 @@ class LLMAdapter:
     def resume(self) -> None:
         pass
 
+    def mark_version(self, version: int) -> None:
+        pass  # versions are the replica's own (`status()`); vLLM's outputs here carry none
+
     def release_requests(self) -> None:
         pass
 

@@ -13,7 +13,8 @@ An engine takes part only through an `EngineAdapter`: how to call its
 workers, how to generate, and how to hold, pause, resume and release its
 requests around an update. `LLMAdapter` (refit/engine/llm.py) adapts an
 in-process `vllm.LLM`, `AsyncLLMAdapter` (refit/engine/async_llm.py) an
-`AsyncLLM`. Every method here blocks: an actor runs the update steps on one
+`AsyncLLM`, `ServerAdapter` (refit/engine/server.py) a `vllm serve` server
+over HTTP. Every method here blocks: an actor runs the update steps on one
 thread, in submission order (an async actor: on an executor thread, with
 the adapter handing its coroutines to the actor's event loop).
 
@@ -33,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
 from refit.errors import VerificationError
@@ -63,33 +65,6 @@ class Generation:
     prompt_logprobs: list[list[float | None]] | None
 
 
-@dataclass(frozen=True, slots=True)
-class EngineFacts:
-    """What the core needs to know about an engine, read once from its vLLM config (`EngineFacts.of`)."""
-
-    model_info: RolloutModelInfo
-    vocab_size: int
-    workers: int  # vLLM workers, each a rank of a collective group
-    fp8_kv_cache: bool
-    initial_refusal: str | None  # why it must not serve before its first sync (a dummy load)
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> EngineFacts:
-        """From a running engine's `VllmConfig`, so an engine the user started is described as one refit started."""
-        model_dir = vllm_config.model_config.model
-        dummy = str(vllm_config.load_config.load_format) == "dummy"
-        return cls(
-            model_info=RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy),
-            vocab_size=int(vllm_config.model_config.get_vocab_size()),
-            workers=int(vllm_config.parallel_config.world_size),
-            fp8_kv_cache=str(vllm_config.cache_config.cache_dtype).startswith("fp8"),
-            initial_refusal=(
-                "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
-                if dummy else None
-            ),
-        )
-
-
 class EngineAdapter(Protocol):
     """How the core reaches one engine. Every method blocks until the engine has done it."""
 
@@ -115,6 +90,10 @@ class EngineAdapter(Protocol):
 
     def resume(self) -> None:
         """The scheduler runs again (users' requests are still held)."""
+
+    def mark_version(self, version: int) -> None:
+        """The update to `version` is complete and verified: an engine that labels its outputs with a weight
+        version (a `vllm serve` server's `/update_weight_version`) takes it now, before requests are released."""
 
     def release_requests(self) -> None:
         """Held requests go on: served by the new version, or refused."""
@@ -267,6 +246,8 @@ class ReplicaCore:
                     outcome, probe_passed = f"{outcome}; {result}", result.passed
                     if not result.passed and probe.fail:
                         raise VerificationError(f"the logprob probe after the refit failed: {result}")
+                stage = "setting the engine's weight version"
+                self.engine.mark_version(version)
             except BaseException as error:
                 # After the reload is finalized the model has changed, whatever the bucket count says.
                 self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)

@@ -12,13 +12,23 @@ pickled callable would need VLLM_ALLOW_INSECURE_SERIALIZATION=1), so every
 argument and return value is plain data (lists, dicts, floats), never a
 refit class; the plan travels pickled, from the same trusted sender.
 
+A server (`vllm serve`) reaches its workers only through its dev route
+`/collective_rpc`, which passes string arguments and turns results into
+strings. There every call goes through one method, `refit_call`, that
+carries a pickled `(method, args)` and returns the pickled result or the
+pickled exception (`encode_call` / `decode_reply`), so the same RPCs and
+the same error types reach the replica as from an in-process engine.
+
 Importing this module does not import vLLM: the worker end reaches refit's
 weight-transfer backend (which does) only when a worker calls it.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import pickle
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -34,7 +44,7 @@ if TYPE_CHECKING:
     from refit.engine.transfer_backend import RefitTransferBackend
     from refit.plan.transfer_plan import TransferPlan
 
-__all__ = ["RefitWorkerExtension", "WorkerCalls", "max_over_ranks"]
+__all__ = ["RefitWorkerExtension", "WorkerCalls", "decode_reply", "encode_call", "max_over_ranks"]
 
 AmaxRows = list[tuple[str, str, float]]  # (attention module, scale name, amax)
 
@@ -105,6 +115,36 @@ class RefitWorkerExtension:
 
         return backend_of(self)
 
+    def refit_call(self, payload: str) -> str:
+        """Any method of this worker, called through a server's `/collective_rpc` (see the module docstring).
+
+        Never raises: the exception itself goes back, pickled, so the
+        replica raises it with its type and message rather than the server's
+        "Worker failed with error ..." string.
+        """
+        try:
+            method, args = pickle.loads(base64.b64decode(payload))
+            reply = (True, getattr(self, method)(*args))
+        except Exception as error:  # noqa: BLE001 - every failure is the caller's to raise
+            reply = (False, _picklable(error))
+        return base64.b64encode(pickle.dumps(reply)).decode("ascii")
+
+    def refit_engine_facts(self) -> Any:
+        """The `EngineFacts` of this worker's engine, for a replica that cannot read its `VllmConfig` (a server).
+
+        Fails, naming the fix, when the engine was started without refit's weight-transfer backend.
+        """
+        from refit.engine.facts import EngineFacts
+
+        self._refit()
+        return EngineFacts.of(self.vllm_config)
+
+    def refit_boot_id(self) -> str:
+        """Who this worker process is (host, pid, start time): a server that restarted answers with another one."""
+        import socket
+
+        return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_STARTED:.6f}"
+
     def refit_abandon_update(self) -> None:
         """Close a failed update, whether or not vLLM's worker still counts it as active."""
         self._refit().abandon()
@@ -140,6 +180,28 @@ class RefitWorkerExtension:
         backend = self._refit()
         amax = {(module, scale): value for module, scale, value in measured} if measured else None
         return apply_kv_scale_policy(backend.model, backend.provenance, KvScalePolicy(policy), version, amax)
+
+
+_PROCESS_STARTED = time.time()  # when this module was first imported in this process
+
+
+def encode_call(method: str, *args: Any) -> str:
+    """The payload of `RefitWorkerExtension.refit_call` for `method(*args)` (a string, as `/collective_rpc` takes)."""
+    return base64.b64encode(pickle.dumps((method, args))).decode("ascii")
+
+
+def decode_reply(reply: str) -> tuple[bool, Any]:
+    """`refit_call`'s answer: (True, the result) or (False, the exception the worker raised)."""
+    return pickle.loads(base64.b64decode(reply))
+
+
+def _picklable(error: Exception) -> Exception:
+    """`error` if it survives pickling (refit's, the builtins'), else a RuntimeError carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to round-trip means: send a plain copy
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def max_over_ranks(per_rank: list[AmaxRows]) -> AmaxRows:

@@ -20,7 +20,7 @@ from refit.errors import LifecycleError, VerificationError
 from refit.plan import RolloutModelInfo, SyncConfig, checkpoint_tensors, describe_weights, make_plan, produce_buckets
 from tests.support.fakes import FP8_BLOCK, tiny_decoder
 
-ENGINE_CALLS = {"hold_requests", "pause", "resume", "release_requests", "reset_prefix_cache", "generate"}
+ENGINE_CALLS = {"hold_requests", "pause", "resume", "mark_version", "release_requests", "reset_prefix_cache", "generate"}
 
 
 class RecordingEngine:
@@ -60,6 +60,9 @@ class RecordingEngine:
     def resume(self) -> None:
         self.calls.append("resume")
 
+    def mark_version(self, version: int) -> None:
+        self.calls.append("mark_version")
+
     def release_requests(self) -> None:
         self.calls.append("release_requests")
 
@@ -86,7 +89,7 @@ def test_an_update_touches_its_engine_in_one_order_and_serves_its_version():
     assert finished.kv_scales_written == ("model.layers.0.self_attn.attn.k_scale",)
     assert engine.calls == (["hold_requests", "pause", "start_weight_update"] + ["update_weights"] * len(buckets)
                             + ["refit_streamed", "finish_weight_update", "resume", "refit_apply_kv_policy",
-                               "reset_prefix_cache", "release_requests"])
+                               "reset_prefix_cache", "mark_version", "release_requests"])
     assert core.last_update()["buckets"] == len(buckets) and core.last_update()["outcome"] == "served"
 
 
@@ -96,7 +99,7 @@ def test_the_kv_recompute_sequence_makes_placeholders_valid_then_measures_then_w
     _sync(core, plan, config, buckets)
     stage = engine.calls[engine.calls.index("resume") + 1:]
     assert stage == ["refit_apply_kv_policy", "refit_start_amax", "generate", "refit_stop_amax", "refit_apply_kv_policy",
-                     "reset_prefix_cache", "release_requests"]
+                     "reset_prefix_cache", "mark_version", "release_requests"]
 
 
 def test_a_failed_completeness_check_closes_the_update_on_the_replica_itself():

@@ -1,0 +1,167 @@
+"""A real `vllm serve` server (started with `refit serve`) synced by `refit.Syncer` as a replica, and used over HTTP.
+
+One server for the module (an engine start costs ~11 CPU-s and over a minute
+on a busy two-core machine), started the seed bug's way (FP8_BLOCK,
+`--load-format dummy`, `--kv-cache-dtype fp8_e4m3`) while the Ray cluster,
+the trainer and the reference `RolloutActor` start. Both replicas are synced
+from the same trainer over the collective transport; the server is then
+queried as its users query it, over its OpenAI API, and must serve what
+the reference serves. The last two tests kill the server mid-sync, then
+restart it on the same port.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+import actors
+import refit
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from refit import Phase
+from tests.conftest import TEST_KV_CACHE_BYTES
+from tests.support.server import RefitServer, free_port, http_json
+
+PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
+COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
+# Generous: measured from the process start, on a machine other sessions share.
+SERVER_START_WITHIN_S = 600
+
+
+# The seed bug's way: placeholder weights and scales, FP8 KV cache; options `refit serve` passes on to vllm serve.
+SERVER_OPTIONS = ["--load-format", "dummy", "--kv-cache-dtype", "fp8_e4m3", "--enforce-eager", "--max-model-len", "128",
+                  "--kv-cache-memory-bytes", str(TEST_KV_CACHE_BYTES)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = RefitServer(model_dir(True, "fp8_block"), SERVER_OPTIONS, tmp_path_factory.mktemp("server") / "serve.log")
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def synced(server, module_actors):
+    """Trainer, reference RolloutActor and ServerRollout, all started the seed bug's way; one collective sync of both."""
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    reference = module_actors.rollout(model_dir(True, "fp8_block"), node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    ray.get(reference.status.remote(), timeout=600)  # the reference engine starts while the server does
+    server_start_s = server.wait_until_healthy(SERVER_START_WITHIN_S)
+    replica = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(server.url))
+    before = ray.get(replica.status.remote(), timeout=120)
+    start = time.perf_counter()
+    with refit.Syncer(trainer, [reference, replica], COLLECTIVE) as syncer:
+        report = syncer.sync()
+    print(f"server ready {server_start_s:.1f} s after its start; first collective sync {time.perf_counter() - start:.2f} s")
+    return trainer, reference, replica, before, report
+
+
+def completions(server: RefitServer, prompt, **extra) -> list[dict]:
+    """Greedy continuations from the server's `/v1/completions`, as a user's client asks for them."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "logprobs": 0,
+            "return_token_ids": True, **extra}
+    return sorted(http_json(server.url + "/v1/completions", body)["choices"], key=lambda c: c["index"])
+
+
+def test_before_its_first_sync_a_dummy_loaded_server_replica_refuses(synced):
+    _, _, _, before, report = synced
+    assert before.phase is Phase.REFUSING and "load_format='dummy'" in before.reason
+    assert [r.served_version for r in report.replicas] == [1, 1]
+
+
+def test_the_server_serves_over_http_the_tokens_the_rollout_actor_serves(server, synced):
+    """Token-id prompts, greedy: the same tokens as the reference replica synced from the same trainer; the task solved."""
+    _, reference, _, _, _ = synced
+    expected = ray.get(reference.generate.remote(PROMPTS, NEW_TOKENS), timeout=120)
+    choices = completions(server, PROMPTS)
+    assert [c["token_ids"] for c in choices] == expected.token_ids
+    served = [lp for c in choices for lp in c["logprobs"]["token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(served, [lp for row in expected.logprobs for lp in row])) < 1e-2
+    assert accuracy(PROMPTS, [c["token_ids"] for c in choices]) >= 0.9
+    # Text prompts, through the fixtures' toy tokenizer (token i is the word "t<i>"): the same continuation.
+    (text_choice,) = completions(server, " ".join(f"t{t}" for t in PROMPTS[0]))
+    assert text_choice["token_ids"] == expected.token_ids[0]
+
+
+def test_the_server_records_the_scale_provenance_the_rollout_actor_records(synced):
+    """The seed bug healed over HTTP: the dummy load's placeholder KV scales were reset by the sync's KV stage."""
+    _, reference, replica, _, _ = synced
+    records = ray.get(replica.scale_records.remote(), timeout=120)
+    assert records == ray.get(reference.scale_records.remote(), timeout=120)
+    kv = [r for r in records if r.kind == "attention" and r.scale in ("k_scale", "v_scale")]
+    assert kv and all((r.source, r.version, r.value) == (refit.ScaleSource.DEFAULT, 1, 1.0) for r in kv)
+    assert any(r.kind == "weight" and r.source is refit.ScaleSource.REFIT and r.version == 1 for r in records)
+
+
+def test_a_probed_sync_over_http_passes_and_the_servers_weight_version_is_the_syncs(server, synced):
+    trainer, _, replica, _, _ = synced
+    report = refit.sync(trainer, replica, refit.SyncConfig(transport="collective", timeout_s=60, verify="probe"))
+    assert "probe passed" in report.replicas[0].verification
+    assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
+    assert ray.get(replica.status.remote()).served_version == report.version
+
+
+def test_a_sync_that_aborts_requests_in_flight_pauses_the_server_with_vllms_abort_mode(server, synced):
+    trainer, _, replica, _, _ = synced
+    report = refit.sync(trainer, replica, refit.SyncConfig(transport="collective", timeout_s=60, pause="abort"))
+    assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
+    assert accuracy(PROMPTS, [c["token_ids"] for c in completions(server, PROMPTS)]) >= 0.9  # resumed, serving
+
+
+def test_a_transport_whose_bytes_would_cross_http_is_refused_naming_collective(server, synced):
+    trainer, _, replica, _, _ = synced
+    served = ray.get(replica.status.remote()).served_version
+    with pytest.raises(refit.ConfigError, match=r"transport='ray'.*use SyncConfig\(transport='collective'\)"):
+        refit.sync(trainer, replica, refit.SyncConfig(transport="ray"))
+    status = ray.get(replica.status.remote())
+    assert (status.phase, status.served_version) == (Phase.SERVING, served)
+
+
+def test_an_unreachable_url_fails_the_replica_naming_the_url_and_what_to_do(ray_cluster):
+    url = f"http://127.0.0.1:{free_port()}"
+    replica = actors.ServerRollout.remote(url, connect_timeout_s=5)
+    try:
+        with pytest.raises(ray.exceptions.ActorDiedError, match=rf"{url} could not be reached.*refit serve"):
+            ray.get(replica.status.remote(), timeout=60)
+    finally:
+        ray.kill(replica)
+
+
+def test_a_server_killed_mid_sync_is_named_and_the_other_replica_goes_on(server, synced):
+    """Last: the module's server dies here. The error (or its notes) names the server's URL; the reference serves again."""
+    trainer, reference, replica, _, _ = synced
+    with refit.Syncer(trainer, [reference, replica], COLLECTIVE) as syncer:
+        syncer.sync()  # the group is made: the kill lands in the stream or a finish, not in the group's set-up
+        threading.Timer(0.3, server.stop).start()
+        with pytest.raises(Exception) as raised:  # noqa: PT011 - which member's echo arrives first varies; the URL must be in it
+            for _ in range(50):  # back-to-back syncs until one fails, so the kill lands mid-sync
+                syncer.sync()
+    raised = raised.value
+    described = str(raised) + "\n".join(getattr(raised, "__notes__", []))
+    assert server.url in described, described
+    state = ray.get(replica.status.remote(), timeout=120)
+    assert state.phase is not Phase.UPDATING and (state.phase is Phase.SERVING or server.url in state.reason)
+    report = refit.sync(trainer, reference, COLLECTIVE)
+    assert ray.get(reference.status.remote()).served_version == report.version
+
+
+def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, module_actors,
+                                                                                            tmp_path):
+    """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it."""
+    trainer, _, replica, _, _ = synced
+    restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port)
+    try:
+        restarted.wait_until_healthy(SERVER_START_WITHIN_S)
+        with pytest.raises(refit.ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
+            refit.sync(trainer, replica, COLLECTIVE)
+        fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url))
+        report = refit.sync(trainer, fresh, COLLECTIVE)
+        assert http_json(restarted.url + "/weight_info")["weight_version"] == str(report.version)
+        assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
+    finally:
+        restarted.stop()
