@@ -23,6 +23,7 @@ __all__ = [
     "call_all",
     "dead_members",
     "is_actor",
+    "loss",
     "raise_first_error",
     "submit_all",
     "summary",
@@ -48,10 +49,27 @@ class Outcome:
     who: str
     value: Any = None
     error: BaseException | None = None
+    unanswered: bool = False  # no answer within the deadline (the call may still be running)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def loss(outcome: Outcome) -> str | None:
+    """How the call's target itself was lost, if it was: "died" or "missed the deadline"; None otherwise.
+
+    Why only these two: a fleet drops a member that is gone or stopped
+    answering, and never one that answered with an error (a refused plan, a
+    failed check), which would be a bug to hide. A death the target relays
+    about another actor (a replica whose fetch found the trainer dead) is
+    that actor's, not the target's, and is no loss of the target.
+    """
+    if isinstance(outcome.error, ActorDiedError) and outcome.error.who == outcome.who:
+        return "died"
+    if outcome.unanswered:
+        return "missed the deadline"
+    return None
 
 
 def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> list[tuple[str, Any]]:
@@ -186,7 +204,7 @@ def _resolve(who: str, method: str, ref: Any, timeout_s: float) -> Outcome:
         return Outcome(who, error=SyncTimeoutError(
             f"{who}: {method} did not answer within {timeout_s:.0f} s (SyncConfig.timeout_s); "
             "the actor is hung, overloaded or waiting for long requests"
-        ))
+        ), unanswered=True)
     try:
         return Outcome(who, ray.get(ref))
     except Exception as error:

@@ -96,6 +96,12 @@ class SyncConfig:
     whose update gets no call for this long closes it by itself. It must also cover the trainer's
     check of every tensor before its first bucket (about 4 GB/s of bf16 on one CPU core)."""
 
+    min_replicas: int = 1
+    """How many replicas must serve the new version for a sync to count. A replica that dies or misses
+    `timeout_s` during a sync is dropped from it (and from the `Syncer`) while the others complete it;
+    once fewer than `min_replicas` remain, the sync fails instead, naming the lost one, and every
+    survivor's update is aborted. Set it to the fleet's size to fail on any loss, as before fleets."""
+
     startup_timeout_s: float = 1800.0
     """How long a sync waits for trainer ranks and replicas that are still being constructed
     (loading a model, starting an engine: minutes on a GPU with torch.compile and CUDA graphs)
@@ -120,6 +126,7 @@ class SyncConfig:
                 problems.append(str(error))
         _check_positive_int(problems, "bucket_bytes", self.bucket_bytes)
         _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight)
+        _check_positive_int(problems, "min_replicas", self.min_replicas)
         if self.on_probe_breach not in ("fail", "flag"):
             problems.append(f"on_probe_breach={self.on_probe_breach!r}: expected 'fail' or 'flag'")
         if self.progress not in (None, True, False):
