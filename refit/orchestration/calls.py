@@ -80,18 +80,39 @@ def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> l
     ]
 
 
-def wait_all(pending: Sequence[tuple[str, Any]], method: str, *, timeout_s: float) -> list[Outcome]:
+def wait_all(
+    pending: Sequence[tuple[str, Any]], method: str, *, timeout_s: float, until_a_death: bool = False
+) -> list[Outcome]:
     """Wait at most `timeout_s` for every submitted call.
 
     Never raises for a failed call: each outcome carries its value or error
     (a dead actor, an exception in the call, a missed deadline).
+    `until_a_death`: stop as soon as one target has died, when its death
+    breaks what the others wait for (a collective group's broadcast); calls
+    still running then come back unanswered.
     """
     refs = [ref for _, ref in pending if not isinstance(ref, Outcome)]
     if refs:
         import ray
 
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if until_a_death:
+            _wait_until_a_death([(who, ref) for who, ref in pending if not isinstance(ref, Outcome)], method, timeout_s)
+        else:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     return [ref if isinstance(ref, Outcome) else _resolve(who, method, ref, timeout_s) for who, ref in pending]
+
+
+def _wait_until_a_death(pending: list[tuple[str, Any]], method: str, timeout_s: float) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    waiting = {ref: who for who, ref in pending}
+    while waiting and (remaining := deadline - time.monotonic()) > 0:
+        ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
+        for ref in ready:
+            who = waiting.pop(ref)
+            if loss(_resolve(who, method, ref, timeout_s)) == "died":
+                return
 
 
 def call_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any, timeout_s: float) -> list[Outcome]:

@@ -25,13 +25,30 @@ the replicas together with the next bucket's size.
 
 Before its first remote call a Syncer waits for actors still being
 constructed (`SyncConfig.startup_timeout_s`); from then on every remote wait
-has a deadline (`SyncConfig.timeout_s`). On any failure, at any step,
-including a driver interrupt, the trainer's stream is closed and every
-replica's update is aborted: a replica that received nothing keeps serving
-its old version, one that did refuses to serve until a later sync completes.
-The error raised is the cause: when a member died, its death, whichever of
-its echoes (a broken group, a lost object, a missed deadline) arrived first;
-the echoes and each replica's resulting state are attached as notes.
+has a deadline (`SyncConfig.timeout_s`).
+
+The replicas are a fleet that may change between syncs: `add_replica`
+(checked like the constructor's, and against the plan's model; the next
+sync sends it every weight) and `remove_replica`. Each is `rollout <id>`,
+an id given when it joined and never reused. During a sync, a replica that
+dies or misses the deadline is dropped: over `ray` the others go on with
+the stream; over `collective` its loss breaks the group for everyone, so
+the survivors' updates are aborted and they begin again, within the same
+`sync()`, in a new group without it (at a higher version: none of them
+served the abandoned one). The report's `dropped` names each one lost,
+where and why, a warning says it, and it is no longer a member of the
+Syncer. Only deaths and missed deadlines drop a replica: one that raises
+(a failed check, a refused plan) fails the sync, as a trainer rank's
+death does.
+
+On a failure, at any step, including a driver interrupt and fewer than
+`SyncConfig.min_replicas` replicas left, the trainer's stream is closed
+and every remaining replica's update is aborted: a replica that received
+nothing keeps serving its old version, one that did refuses to serve until
+a later sync completes; the fleet is left as it was. The error raised is
+the cause: when a member died, its death, whichever of its echoes (a broken
+group, a lost object, a missed deadline) arrived first; the echoes and each
+replica's resulting state are attached as notes.
 """
 
 from __future__ import annotations
@@ -358,21 +375,23 @@ class Syncer:
 
         Over `collective` and `ipc` the driver reads each bucket's contents
         and looks one bucket ahead, so that a worker can post the receive of
-        the next bucket before it loads this one. Over `ray` a lost member
-        is dropped and the others go on (each fetches its own copy); over
-        `collective` its loss breaks every member's broadcasts (`GroupBroken`).
+        the next bucket before it loads this one. Over `ray` (and `ipc`) a
+        lost member is dropped and the others go on (each fetches its own
+        copy); over `collective` its loss breaks every member's broadcasts
+        (`GroupBroken`).
         """
         timeout = self.config.timeout_s
         in_flight: collections.deque[list[tuple[str, Any]]] = collections.deque()
         seconds = dict.fromkeys((who for who, _ in roll.members), 0.0)
         by_contents = transport != Transport.RAY
+        one_group = isinstance(transport, Rendezvous)  # every member's broadcasts break with one member
 
         def wait_oldest() -> None:
             pending = [(who, ref) for who, ref in in_flight.popleft() if roll.has(who)]  # none for the dropped
-            outcomes = wait_all(pending, "load_bucket", timeout_s=timeout)
+            outcomes = wait_all(pending, "load_bucket", timeout_s=timeout, until_a_death=one_group)
             lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
-            if lost and by_contents:
-                raise GroupBroken(lost)
+            if lost and one_group:  # after a death, the others' missing answers are its echo: they wait on its group
+                raise GroupBroken([item for item in lost if item[1] == "died"] or lost)
             for who, spent in roll.settle(outcomes, sync_id).items():
                 seconds[who] += spent
             progress.update()
