@@ -91,9 +91,10 @@ class SyncConfig:
     """A progress bar over buckets on stderr; None: only when stderr is a terminal."""
 
     timeout_s: float = 120.0
-    """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A replica or
-    trainer that dies or stops answering fails the sync, naming it, within this time; a replica
-    whose update gets no call for this long closes it by itself. It must also cover the trainer's
+    """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A trainer that
+    dies or stops answering fails the sync, naming it, within this time; a replica is dropped from
+    the sync within it (see `min_replicas`); a replica whose update gets no call for this long
+    closes it by itself. It must also cover the trainer's
     check of every tensor before its first bucket (about 4 GB/s of bf16 on one CPU core)."""
 
     min_replicas: int = 1

@@ -9,6 +9,7 @@ tests/sync/test_fleet.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -96,9 +97,10 @@ def test_a_replica_that_dies_is_dropped_and_the_others_serve_the_sync(step):
     assert report.dropped == (DroppedReplica(1, stage, "died", "ActorDiedError: rollout 1 died or is unreachable "
                                              "(load_bucket): ActorDiedError: killed"),)
     assert f"dropped rollout 1 died at {stage}" in report.summary()
+    assert json.loads(json.dumps(report.to_dict()))["dropped"] == [dataclasses.asdict(report.dropped[0])]  # plain data
     assert [r.replica for r in report.replicas] == [0, 2]
     for survivor in (replicas[0], replicas[2]):
-        assert survivor.status() .phase is Phase.SERVING and survivor.status().served_version == report.version
+        assert survivor.status().phase is Phase.SERVING and survivor.status().served_version == report.version
     assert syncer.replica_names == ["rollout 0", "rollout 2"]  # the next sync does not wait on it
     assert [r.replica for r in syncer.sync().replicas] == [0, 2]
 
