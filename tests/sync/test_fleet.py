@@ -102,12 +102,14 @@ def test_a_replica_that_joins_serves_after_the_next_sync_and_one_killed_mid_sync
             assert groups[0] is not None and groups[0] == groups[1]
 
 
-def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_replicas, trainer):
+@pytest.mark.parametrize("transport", ["ray", "collective"])
+def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_replicas, trainer, transport):
+    """Over `collective` the group is made again without it, and once more when it is back."""
     wait_for(trainer, *shared_replicas)
-    syncer = refit.Syncer(trainer, shared_replicas, dataclasses.replace(SMALL, timeout_s=10))
+    syncer = refit.Syncer(trainer, shared_replicas, dataclasses.replace(SMALL, timeout_s=10, transport=transport))
     served = syncer.sync().version
     run_in(shared_replicas[0], hold_update_lock, 25.0)  # its begin waits for the lock well past the deadline
-    run_in(trainer, redraw, 25)
+    run_in(trainer, redraw, 25 if transport == "ray" else 27)
     start = time.monotonic()
     report = syncer.sync()
     assert time.monotonic() - start < 3 * 10 + 20
@@ -124,6 +126,7 @@ def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_r
     report = syncer.sync()
     assert [r.replica for r in report.replicas] == [1, 2]
     assert_serves(shared_replicas, trainer, report.version)
+    syncer.close()
 
 
 def test_a_removed_replica_is_left_as_it_is_and_the_others_are_synced(shared_replicas, trainer):
