@@ -460,8 +460,8 @@ class Syncer:
         """
         log.warning("sync %s: the collective group broke (%s); %d replica(s) begin again in a new group",
                     sync_id, summary(error), len(roll.members))
-        outcomes = call_all(roll.members, "abort_update", sync_id, f"sync {sync_id} lost {error}; beginning again",
-                            timeout_s=2 * self.config.timeout_s)
+        reason = f"sync {sync_id} lost a member of its collective group ({summary(error)}); beginning again in a new one"
+        outcomes = call_all(roll.members, "abort_update", sync_id, reason, timeout_s=2 * self.config.timeout_s)
         roll.drop([(o.who, how, o.error) for o in outcomes if (how := loss(o))], sync_id)
         roll.check_quorum()
         self._disconnect(roll.members)
