@@ -23,6 +23,7 @@ __all__ = [
     "call_all",
     "dead_members",
     "is_actor",
+    "loss",
     "raise_first_error",
     "submit_all",
     "summary",
@@ -48,10 +49,27 @@ class Outcome:
     who: str
     value: Any = None
     error: BaseException | None = None
+    unanswered: bool = False  # no answer within the deadline (the call may still be running)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def loss(outcome: Outcome) -> str | None:
+    """How the call's target itself was lost, if it was: "died" or "missed the deadline"; None otherwise.
+
+    Why only these two: a fleet drops a member that is gone or stopped
+    answering, and never one that answered with an error (a refused plan, a
+    failed check), which would be a bug to hide. A death the target relays
+    about another actor (a replica whose fetch found the trainer dead) is
+    that actor's, not the target's, and is no loss of the target.
+    """
+    if isinstance(outcome.error, ActorDiedError) and outcome.error.who == outcome.who:
+        return "died"
+    if outcome.unanswered:
+        return "missed the deadline"
+    return None
 
 
 def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> list[tuple[str, Any]]:
@@ -62,18 +80,39 @@ def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> l
     ]
 
 
-def wait_all(pending: Sequence[tuple[str, Any]], method: str, *, timeout_s: float) -> list[Outcome]:
+def wait_all(
+    pending: Sequence[tuple[str, Any]], method: str, *, timeout_s: float, until_a_death: bool = False
+) -> list[Outcome]:
     """Wait at most `timeout_s` for every submitted call.
 
     Never raises for a failed call: each outcome carries its value or error
     (a dead actor, an exception in the call, a missed deadline).
+    `until_a_death`: stop as soon as one target has died, when its death
+    breaks what the others wait for (a collective group's broadcast); calls
+    still running then come back unanswered.
     """
     refs = [ref for _, ref in pending if not isinstance(ref, Outcome)]
     if refs:
         import ray
 
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if until_a_death:
+            _wait_until_a_death([(who, ref) for who, ref in pending if not isinstance(ref, Outcome)], method, timeout_s)
+        else:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     return [ref if isinstance(ref, Outcome) else _resolve(who, method, ref, timeout_s) for who, ref in pending]
+
+
+def _wait_until_a_death(pending: list[tuple[str, Any]], method: str, timeout_s: float) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    waiting = {ref: who for who, ref in pending}
+    while waiting and (remaining := deadline - time.monotonic()) > 0:
+        ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
+        for ref in ready:
+            who = waiting.pop(ref)
+            if loss(_resolve(who, method, ref, timeout_s)) == "died":
+                return
 
 
 def call_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any, timeout_s: float) -> list[Outcome]:
@@ -186,7 +225,7 @@ def _resolve(who: str, method: str, ref: Any, timeout_s: float) -> Outcome:
         return Outcome(who, error=SyncTimeoutError(
             f"{who}: {method} did not answer within {timeout_s:.0f} s (SyncConfig.timeout_s); "
             "the actor is hung, overloaded or waiting for long requests"
-        ))
+        ), unanswered=True)
     try:
         return Outcome(who, ray.get(ref))
     except Exception as error:

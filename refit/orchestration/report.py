@@ -4,18 +4,31 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["ReplicaReport", "SyncReport"]
+__all__ = ["DroppedReplica", "ReplicaReport", "SyncReport"]
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaReport:
-    replica: int
+    replica: int  # its id in the Syncer ("rollout <id>"): given when it joined, never reused
     node_id: str
     served_version: int | None
     load_seconds: float  # inside load_weights, all buckets
     finish_seconds: float  # verification, reload finalization, post-refit stage, probe
     kv_scales_written: tuple[str, ...]
     verification: str = ""  # what was verified, and the probe's outcome
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedReplica:
+    """A replica a sync went on without: it died or missed the deadline; the Syncer no longer has it."""
+
+    replica: int  # its id ("rollout <id>")
+    stage: str  # where it was lost: "begin", "connect", "stream" or "finish"
+    cause: str  # "died" or "missed the deadline"
+    error: str  # the error that said so, `Type: first line`
+
+    def __str__(self) -> str:
+        return f"rollout {self.replica} {self.cause} at {self.stage} ({self.error})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +46,8 @@ class SyncReport:
     finish_seconds: float = 0.0  # every replica verified, finished and serving
     probe_breached: bool = False  # the probe breached its thresholds somewhere and `on_probe_breach="flag"`
     startup_seconds: float = 0.0  # waiting for trainer ranks and replicas to be constructed (the Syncer's first call only)
+    dropped: tuple[DroppedReplica, ...] = ()  # replicas lost during the sync; `replicas` are the ones that serve it
+    attempts: int = 1  # more than one: a replica lost mid-broadcast broke the collective group, and the survivors began again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +68,9 @@ class SyncReport:
             + (f"; verified: {r.verification}" if r.verification else "")
             for r in self.replicas
         ]
+        lines += [f"  dropped {d}" for d in self.dropped]
+        if self.attempts > 1:
+            lines.append(f"  the survivors began again {self.attempts - 1} time(s) in a new collective group")
         if self.probe_breached:
             lines.append("  WARNING: the logprob probe breached its thresholds (on_probe_breach='flag')")
         return "\n".join(lines)

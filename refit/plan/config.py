@@ -91,10 +91,17 @@ class SyncConfig:
     """A progress bar over buckets on stderr; None: only when stderr is a terminal."""
 
     timeout_s: float = 120.0
-    """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A replica or
-    trainer that dies or stops answering fails the sync, naming it, within this time; a replica
-    whose update gets no call for this long closes it by itself. It must also cover the trainer's
+    """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A trainer that
+    dies or stops answering fails the sync, naming it, within this time; a replica is dropped from
+    the sync within it (see `min_replicas`); a replica whose update gets no call for this long
+    closes it by itself. It must also cover the trainer's
     check of every tensor before its first bucket (about 4 GB/s of bf16 on one CPU core)."""
+
+    min_replicas: int = 1
+    """How many replicas must serve the new version for a sync to count. A replica that dies or misses
+    `timeout_s` during a sync is dropped from it (and from the `Syncer`) while the others complete it;
+    once fewer than `min_replicas` remain, the sync fails instead, naming the lost one, and every
+    survivor's update is aborted. Set it to the fleet's size to fail on any loss, as before fleets."""
 
     startup_timeout_s: float = 1800.0
     """How long a sync waits for trainer ranks and replicas that are still being constructed
@@ -120,6 +127,7 @@ class SyncConfig:
                 problems.append(str(error))
         _check_positive_int(problems, "bucket_bytes", self.bucket_bytes)
         _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight)
+        _check_positive_int(problems, "min_replicas", self.min_replicas)
         if self.on_probe_breach not in ("fail", "flag"):
             problems.append(f"on_probe_breach={self.on_probe_breach!r}: expected 'fail' or 'flag'")
         if self.progress not in (None, True, False):

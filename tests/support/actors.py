@@ -76,6 +76,16 @@ def double_weight_scale(rollout, module: str) -> None:
     rollout.engine.llm.collective_rpc(corrupt)
 
 
+def redraw(trainer, seed: int) -> None:
+    """New random weights for a trainer, drawn as `TrainerActor(reinitialize=True, seed=seed)` draws them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    fresh = AutoModelForCausalLM.from_config(trainer.model.config).to(torch.bfloat16)
+    with torch.no_grad():
+        trainer.model.load_state_dict(fresh.state_dict())
+
+
 def snapshot_weights(trainer, version: int) -> None:
     """Keep a copy of the trainer's current weights under `version` (for `greedy_gaps`)."""
     snapshots = trainer.__dict__.setdefault("_test_snapshots", {})
@@ -99,3 +109,10 @@ def greedy_gaps(trainer, version: int, sequences: Sequence[Sequence[int]], promp
 
 def requests_in_flight(rollout) -> int:
     return rollout.replica.lifecycle.requests_in_flight
+
+
+def buckets_loaded(rollout) -> int:
+    """Buckets the open update has loaded so far; -1 when no update is open."""
+    replica = rollout.replica
+    with replica._lock:  # begin opens the update before it resets the count: never read the last update's
+        return replica._progress["buckets"] if replica.lifecycle.open_update() is not None else -1

@@ -57,7 +57,11 @@ class FakeTrainer:
 
 
 class FakeReplica:
-    """A replica whose engine is a dict; `fail` maps a step to the exception it raises there."""
+    """A replica whose engine is a dict; `fail` maps a step to the exception it raises there.
+
+    `at_bucket=n` fails its n-th bucket, with `bucket_error` if given (an `ActorDiedError` naming
+    the replica stands for its death) or a loader fault.
+    """
 
     def __init__(self, expected: set[str], **fail: BaseException) -> None:
         self.lifecycle = UpdateLifecycle()
@@ -87,7 +91,7 @@ class FakeReplica:
         self.lifecycle.loading(sync_id, version)
         self.buckets_seen += 1
         if self.buckets_seen == self.fail.get("at_bucket"):
-            raise EngineError(f"loader fault at bucket {bucket.index}")
+            raise self.fail.get("bucket_error") or EngineError(f"loader fault at bucket {bucket.index}")
         self._pending.update(loadable_tensors(self._plan, bucket))
         return 0.0
 

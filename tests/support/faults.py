@@ -10,7 +10,7 @@ import ray
 
 import refit
 
-__all__ = ["die_at", "kill_during_syncs"]
+__all__ = ["die_at", "kill_during_syncs", "kill_mid_stream"]
 
 
 def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: type[BaseException], match: str,
@@ -26,6 +26,27 @@ def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: ty
             syncer.sync()
     assert time.monotonic() - start < within_s
     return raised.value
+
+
+def kill_mid_stream(victim, *, after_buckets: int = 3, within_s: float = 300) -> threading.Thread:
+    """Kill rollout actor `victim` once an update of it has loaded `after_buckets` buckets; the (started) watching thread.
+
+    Watching the replica's own progress, not a clock, puts the kill mid-stream however loaded the machine
+    is. The thread gives up after `within_s`; join it, then check `victim` is dead.
+    """
+    from tests.support.actors import buckets_loaded, run_in
+
+    def watch() -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if run_in(victim, buckets_loaded) >= after_buckets:
+                ray.kill(victim)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, name="kill-mid-stream", daemon=True)
+    thread.start()
+    return thread
 
 
 def die_at(rank, method: str, call: int) -> None:

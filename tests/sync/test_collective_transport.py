@@ -171,7 +171,8 @@ def test_two_collective_syncers_at_once_one_wins_and_the_other_fails_by_name(set
 def kill_mid_broadcast(sync_trainer, replicas, victim, match: str) -> None:
     """Kill `victim` during back-to-back collective syncs of small buckets; the sync fails naming `match`."""
     ray.get([r.status.remote() for r in replicas], timeout=120)  # started: the deadline below is short
-    small = refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10)
+    small = refit.SyncConfig(transport="collective", bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=10,
+                             min_replicas=len(replicas))  # any loss fails the sync (a fleet's drops: tests/sync/test_fleet.py)
     syncer = refit.Syncer(sync_trainer, replicas, small)
     syncer.sync()
     kill_during_syncs(syncer, victim, after_s=0.2, error=refit.ActorDiedError, match=match)

@@ -24,8 +24,8 @@ from refit import Phase
 from tests.support.actors import requests_in_flight, run_in
 from tests.support.checkpoints import write_fewer_layers
 from tests.support.faults import kill_during_syncs
+from tests.support.serving import PROMPTS, SAME_MODEL, agreement, assert_serves, status, tokens
 
-PROMPTS = make_prompts(64, PROMPT_LEN, seed=41)
 FAST = refit.SyncConfig(timeout_s=20)
 
 
@@ -37,37 +37,6 @@ def replicas(shared_replicas):
 @pytest.fixture(scope="module")
 def trainers(module_actors):
     return [module_actors.trainer(model_dir(True, "bf16"), reinitialize=True, seed=s) for s in (1, 2)]
-
-
-def status(replica):
-    return ray.get(replica.status.remote(), timeout=120)  # never blocks once the engine has started
-
-
-def tokens(replica, prompts=PROMPTS):
-    return ray.get(replica.generate.remote(prompts, NEW_TOKENS), timeout=60).token_ids
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Fraction of prompts whose first greedy token two runs share (later tokens cascade from a flip)."""
-    return sum(x[0] == y[0] for x, y in zip(a, b)) / len(a)
-
-
-# The trainers are random models with flat distributions, so FP8 weights flip
-# a few near-tied greedy tokens: measured 92-95% first-token agreement with the
-# bf16 trainer over these 64 prompts, while the two trainers agree on 37-39%
-# (random models often repeat a prompt's last token). 0.8 and 0.55 tell them apart.
-SAME_MODEL = 0.8
-
-
-def assert_serves(replicas, trainer, version=None):
-    expected = ray.get(trainer.generate.remote(PROMPTS, NEW_TOKENS))
-    served = [tokens(replica) for replica in replicas]
-    for replica, got in zip(replicas, served):
-        state = status(replica)
-        assert state.phase is Phase.SERVING, state
-        assert version is None or state.served_version == version
-        assert agreement(got, expected) >= SAME_MODEL
-    assert all(got == served[0] for got in served)  # the replicas serve bit-identical weights
 
 
 @ray.remote
@@ -293,9 +262,13 @@ def test_a_killed_trainer_fails_the_sync_by_name_and_the_next_sync_succeeds(repl
     assert_serves(replicas, trainers[0], report.version)
 
 
-def test_a_killed_replica_fails_the_sync_within_the_deadline_and_the_others_recover(replicas, trainers, module_actors):
+def test_a_killed_replica_below_min_replicas_fails_the_sync_within_the_deadline_and_the_others_recover(
+    replicas, trainers, module_actors
+):
+    """With `min_replicas` = the fleet, a dead replica fails the sync as before fleets (by default it is dropped:
+    tests/sync/test_fleet.py)."""
     doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
-    syncer = refit.Syncer(trainers[0], [*replicas, doomed], FAST)  # planned once, as in an RL loop
+    syncer = refit.Syncer(trainers[0], [*replicas, doomed], dataclasses.replace(FAST, min_replicas=3))  # planned once
     syncer.sync()
     ray.kill(doomed)
     start = time.monotonic()
@@ -442,16 +415,18 @@ def test_a_hung_trainer_fails_the_sync_by_name_within_the_deadline(replicas, tra
     assert_serves(replicas, trainers[0], report.version)
 
 
-def test_a_hung_replica_fails_the_sync_by_name_and_recovers_by_itself(replicas, trainers):
+def test_a_hung_replica_below_min_replicas_fails_the_sync_by_name_and_recovers_by_itself(replicas, trainers):
+    """With `min_replicas` = the fleet; by default a hung replica is dropped (tests/sync/test_fleet.py)."""
     from tests.support.actors import hold_update_lock
 
     served = refit.Syncer(trainers[1], replicas, FAST).sync().version
     run_in(replicas[0], hold_update_lock, 12.0)
     start = time.monotonic()
     with pytest.raises(refit.SyncTimeoutError, match=r"rollout 0: begin_update did not answer within 5 s") as error:
-        refit.Syncer(trainers[0], replicas, refit.SyncConfig(timeout_s=5)).sync()
+        refit.Syncer(trainers[0], replicas, refit.SyncConfig(timeout_s=5, min_replicas=2)).sync()
     assert time.monotonic() - start < 3 * 5
-    assert "rollout 0: could not be reached to abort" in "\n".join(error.value.__notes__)
+    notes = "\n".join(error.value.__notes__)
+    assert "fewer than SyncConfig.min_replicas=2" in notes and "rollout 1: serving" in notes
     assert status(replicas[1]).phase is Phase.SERVING and status(replicas[1]).served_version == served
     # Once it answers again, the late begin opens an update nobody drives: its lease closes it.
     deadline = time.monotonic() + 60
@@ -462,18 +437,23 @@ def test_a_hung_replica_fails_the_sync_by_name_and_recovers_by_itself(replicas, 
     assert_serves(replicas, trainers[0], report.version)
 
 
-def test_a_replica_killed_mid_stream_fails_the_sync_and_the_survivors_recover(replicas, trainers, module_actors):
+def test_a_replica_killed_mid_stream_below_min_replicas_fails_the_sync_by_name_and_the_survivors_recover(
+    replicas, trainers, module_actors
+):
+    """`min_replicas=3` of three: the kill that a fleet survives by default (tests/sync/test_fleet.py) fails the sync."""
     doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
     ray.get(doomed.__ray_ready__.remote(), timeout=600)  # its engine started: the deadlines below are about it
     # Finding 2b: a generate on dummy FP8 scales raised inside vLLM and wedged the engine for good.
     with pytest.raises(refit.ReplicaRefusingError, match="load_format='dummy'.*run a sync first"):
         ray.get(doomed.generate.remote(PROMPTS, NEW_TOKENS), timeout=30)
     syncer = refit.Syncer(trainers[0], [*replicas, doomed],
-                          refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20))
+                          refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20, min_replicas=3))
     assert_serves([*replicas, doomed], trainers[0], syncer.sync().version)  # the refusal left it usable
     error = kill_during_syncs(syncer, doomed, after_s=0.2, error=refit.ActorDiedError, match="^rollout 2 died")
     notes = "\n".join(error.__notes__)
-    assert "rollout 2: could not be reached to abort" in notes
+    assert "only 2 replica(s) remain, fewer than SyncConfig.min_replicas=3" in notes
+    assert "rollout 2: lost (died at " in notes
+    assert syncer.replica_names == ["rollout 0", "rollout 1", "rollout 2"]  # a failed sync drops nobody
     for survivor in replicas:
         assert status(survivor).phase in (Phase.SERVING, Phase.REFUSING)  # whole, or refusing: never half-served
     report = refit.Syncer(trainers[1], replicas, FAST).sync()

@@ -1,0 +1,137 @@
+"""A `Syncer`'s fleet against plain-Python replicas: names, joining, leaving, drops and the quorum (no Ray, no vLLM).
+
+Only what is the Syncer's own logic. A plain object cannot die or hang, so a
+death is an `ActorDiedError` naming the replica itself (what the driver sees
+from a dead actor); real deaths, deadlines and the collective group are in
+tests/sync/test_fleet.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from refit import ActorDiedError, ConfigError, EngineError, LifecycleError, Phase, SyncConfig, Syncer
+from refit.orchestration.report import DroppedReplica
+from tests.support.fakes import CONFIG, FakeReplica, expected_names, setup
+
+
+def death(who: str) -> ActorDiedError:
+    return ActorDiedError(f"{who} died or is unreachable (load_bucket): ActorDiedError: killed", who)
+
+
+def test_names_stay_with_their_replicas_as_the_fleet_changes_and_a_newcomer_gets_every_weight():
+    trainer, replicas = setup(3)
+    syncer = Syncer(trainer, replicas, CONFIG)
+    syncer.sync()
+    assert syncer.remove_replica(1) == "rollout 1"
+    newcomer = FakeReplica(expected_names(trainer.model))
+    assert syncer.add_replica(newcomer) == "rollout 3"  # never "rollout 1" again
+    assert syncer.replica_names == ["rollout 0", "rollout 2", "rollout 3"]
+    assert syncer.rollouts == [replicas[0], replicas[2], newcomer]
+    report = syncer.sync()
+    assert [r.replica for r in report.replicas] == [0, 2, 3] and report.dropped == ()
+    assert newcomer.status().served_version == report.version == 2
+    assert newcomer.weights.keys() == replicas[0].weights.keys()
+    assert all(torch.equal(newcomer.weights[k].view(torch.uint8), replicas[0].weights[k].view(torch.uint8))
+               for k in newcomer.weights)
+    assert replicas[1].status().served_version == 1  # left alone once removed
+    assert syncer.remove_replica(newcomer) == "rollout 3" and syncer.remove_replica("rollout 0") == "rollout 0"
+    assert syncer.replica_names == ["rollout 2"]
+
+
+def test_joining_and_leaving_are_checked():
+    trainer, replicas = setup(2)
+    syncer = Syncer(trainer, replicas, CONFIG)
+    with pytest.raises(ConfigError, match="already rollout 1 of this Syncer"):
+        syncer.add_replica(replicas[1])
+    with pytest.raises(ConfigError, match=r"rollout 2 lacks begin_update\(\)"):
+        syncer.add_replica(object())
+    with pytest.raises(ConfigError, match=r"'rollout 7' is not a replica of this Syncer; its replicas: rollout 0, rollout 1"):
+        syncer.remove_replica(7)
+    syncer.sync()
+
+    class OtherModel(FakeReplica):
+        def describe(self):
+            return dataclasses.replace(super().describe(), tie_word_embeddings=True)
+
+    with pytest.raises(ConfigError, match="rollout 2 runs a differently configured model than the plan's rollout model"):
+        syncer.add_replica(OtherModel(expected_names(trainer.model)))
+    assert syncer.replica_names == ["rollout 0", "rollout 1"]  # the refused one never joined (and its id is free)
+
+
+def test_the_fleet_changes_only_between_syncs():
+    trainer, replicas = setup(2)
+    refused: list[BaseException] = []
+
+    class Meddling(FakeReplica):
+        def begin_update(self, plan, sync_id, config):
+            for change in (lambda: syncer.remove_replica(0), lambda: syncer.add_replica(FakeReplica(set())), syncer.sync):
+                try:
+                    change()
+                except LifecycleError as error:
+                    refused.append(error)
+            return super().begin_update(plan, sync_id, config)
+
+    meddling = Meddling(expected_names(trainer.model))
+    syncer = Syncer(trainer, [*replicas, meddling], CONFIG)
+    assert len(syncer.sync().replicas) == 3
+    assert [str(e).split("(")[0] for e in refused] == ["remove_replica", "add_replica", "sync"]
+    assert "the fleet changes only between syncs" in str(refused[0])
+
+
+@pytest.mark.parametrize("step", ["begin", "bucket", "finish"])
+def test_a_replica_that_dies_is_dropped_and_the_others_serve_the_sync(step):
+    trainer, replicas = setup(3)
+    victim = replicas[1]
+    if step == "bucket":
+        victim.fail.update(at_bucket=2, bucket_error=death("rollout 1"))
+    else:
+        victim.fail[step] = death("rollout 1")
+    syncer = Syncer(trainer, replicas, CONFIG)
+    report = syncer.sync()
+    stage = {"bucket": "stream"}.get(step, step)
+    assert report.dropped == (DroppedReplica(1, stage, "died", "ActorDiedError: rollout 1 died or is unreachable "
+                                             "(load_bucket): ActorDiedError: killed"),)
+    assert f"dropped rollout 1 died at {stage}" in report.summary()
+    assert json.loads(json.dumps(report.to_dict()))["dropped"] == [dataclasses.asdict(report.dropped[0])]  # plain data
+    assert [r.replica for r in report.replicas] == [0, 2]
+    for survivor in (replicas[0], replicas[2]):
+        assert survivor.status().phase is Phase.SERVING and survivor.status().served_version == report.version
+    assert syncer.replica_names == ["rollout 0", "rollout 2"]  # the next sync does not wait on it
+    assert [r.replica for r in syncer.sync().replicas] == [0, 2]
+
+
+def test_below_min_replicas_a_loss_fails_the_sync_by_name_and_leaves_the_fleet_as_it_was():
+    trainer, replicas = setup(3)
+    replicas[2].fail.update(at_bucket=2, bucket_error=death("rollout 2"))
+    syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, min_replicas=3))
+    with pytest.raises(ActorDiedError, match="^rollout 2 died") as error:
+        syncer.sync()
+    notes = "\n".join(error.value.__notes__)
+    assert "only 2 replica(s) remain, fewer than SyncConfig.min_replicas=3" in notes
+    assert "rollout 0: refusing to serve: sync" in notes and "rollout 1: refusing to serve: sync" in notes  # aborted
+    assert all(r.lifecycle.open_update() is None for r in replicas[:2])
+    assert syncer.replica_names == ["rollout 0", "rollout 1", "rollout 2"]
+
+
+def test_a_replica_that_raises_is_not_dropped_it_fails_the_sync():
+    """Only deaths and missed deadlines drop a member: a refused check dropped silently would hide a bug."""
+    trainer, replicas = setup(3, finish=EngineError("the update left weights unloaded"))
+    syncer = Syncer(trainer, replicas, CONFIG)
+    with pytest.raises(EngineError, match="left weights unloaded"):
+        syncer.sync()
+    assert replicas[0].status().phase is Phase.REFUSING
+    assert syncer.replica_names == ["rollout 0", "rollout 1", "rollout 2"]
+
+
+def test_min_replicas_is_checked():
+    with pytest.raises(ConfigError, match="min_replicas=0: expected a positive int"):
+        SyncConfig(min_replicas=0)
+    trainer, replicas = setup(2)
+    with pytest.raises(ConfigError, match=r"the Syncer has 2 replica\(s\) and SyncConfig.min_replicas=3"):
+        Syncer(trainer, replicas, dataclasses.replace(CONFIG, min_replicas=3)).sync()
+    assert all(r.status().served_version is None for r in replicas)

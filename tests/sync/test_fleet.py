@@ -1,0 +1,143 @@
+"""A fleet that changes, on real Ray and vLLM: replicas join, leave, die mid-sync or hang, and the sync goes on.
+
+The two session replicas (FP8_BLOCK, dummy load, FP8 KV cache, nodes 1 and 2)
+are the fleet's survivors throughout; each kill takes a replica of its own,
+started once for this module on node 0, so the module starts two engines.
+The trainer's weights are re-drawn from a new seed before every sync that
+must show a new version, so serving "the trainer's weights" tells versions
+apart (two seeds agree on under 55% of first tokens, a synced replica on
+over 80%: tests/support/serving.py).
+
+Deadlines are measured once every actor is up (`wait_for`), never from
+construction; kills follow the victim's own progress (`kill_mid_stream`),
+not a clock, so neither depends on how loaded the machine is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import ray
+
+import refit
+from fixtures import model_dir
+from refit import Phase
+from tests.support.actors import hold_update_lock, redraw, run_in
+from tests.support.faults import kill_mid_stream
+from tests.support.serving import assert_serves, status
+
+# Small buckets (20 a sync of the fixture, one in flight): a stream with a middle to cut.
+SMALL = refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def trainer(module_actors):
+    return module_actors.trainer(model_dir(True, "bf16"), reinitialize=True, seed=21)
+
+
+@pytest.fixture(scope="module")
+def victims(module_actors):
+    """Two replicas like the session's, started together (their starts overlap the first tests), each killed by one test."""
+    return [module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+            for _ in range(2)]
+
+
+def wait_for(*actors) -> None:
+    ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=900)
+
+
+def is_dead(actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def drop_mid_stream(syncer: refit.Syncer, victim) -> refit.SyncReport:
+    """Kill `victim` a few buckets into a sync; that sync's report (it must complete)."""
+    killer = kill_mid_stream(victim, after_buckets=5)
+    start = time.monotonic()
+    report = syncer.sync()
+    killer.join(timeout=60)
+    assert is_dead(victim), "the victim was not killed during the sync"
+    print(f"\nsync with a replica killed mid-stream over {syncer.config.transport}: {time.monotonic() - start:.2f} s "
+          f"({report.attempts} attempt(s))\n{report.summary()}")
+    return report
+
+
+@pytest.mark.parametrize("transport", ["ray", "collective"])
+def test_a_replica_that_joins_serves_after_the_next_sync_and_one_killed_mid_sync_is_dropped(
+    shared_replicas, victims, trainer, transport
+):
+    """Issue 22: one of three replicas killed mid-stream; the other two complete the sync and serve its version."""
+    victim = victims[transport == "collective"]
+    wait_for(trainer, victim, *shared_replicas)
+    config = dataclasses.replace(SMALL, transport=transport)
+    with refit.Syncer(trainer, shared_replicas, config) as syncer:
+        syncer.sync()  # planned, and the session replicas made whole
+        assert syncer.add_replica(victim) == "rollout 2"
+        run_in(trainer, redraw, 22)
+        report = syncer.sync()
+        assert [r.replica for r in report.replicas] == [0, 1, 2] and report.dropped == ()
+        assert_serves([*shared_replicas, victim], trainer, report.version)  # the newcomer got every weight
+
+        run_in(trainer, redraw, 23)
+        report = drop_mid_stream(syncer, victim)
+        assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(2, "stream", "died")]
+        assert "rollout 2 died or is unreachable" in report.dropped[0].error
+        assert [r.replica for r in report.replicas] == [0, 1]
+        assert report.attempts == (2 if transport == "collective" else 1)  # the broken group made again without it
+        assert_serves(shared_replicas, trainer, report.version)
+        assert syncer.replica_names == ["rollout 0", "rollout 1"]  # the next sync does not wait on it
+
+        run_in(trainer, redraw, 24)
+        report = syncer.sync()
+        assert report.dropped == () and report.attempts == 1
+        assert_serves(shared_replicas, trainer, report.version)
+        if transport == "collective":  # the new group, kept
+            groups = ray.get([r.transport_group.remote() for r in shared_replicas], timeout=60)
+            assert groups[0] is not None and groups[0] == groups[1]
+
+
+@pytest.mark.parametrize("transport", ["ray", "collective"])
+def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_replicas, trainer, transport):
+    """Over `collective` the group is made again without it, and once more when it is back."""
+    wait_for(trainer, *shared_replicas)
+    syncer = refit.Syncer(trainer, shared_replicas, dataclasses.replace(SMALL, timeout_s=10, transport=transport))
+    served = syncer.sync().version
+    run_in(shared_replicas[0], hold_update_lock, 25.0)  # its begin waits for the lock well past the deadline
+    run_in(trainer, redraw, 25 if transport == "ray" else 27)
+    start = time.monotonic()
+    report = syncer.sync()
+    assert time.monotonic() - start < 3 * 10 + 20
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(0, "begin", "missed the deadline")]
+    assert "begin_update did not answer within 10 s" in report.dropped[0].error
+    assert [r.replica for r in report.replicas] == [1] and syncer.replica_names == ["rollout 1"]
+    assert_serves(shared_replicas[1:], trainer, report.version)
+    # Once it answers, the abort sent after its late begin (and not waited for) closes the update that begin opened.
+    # An update call queues behind both, so its answer says they ran.
+    state = ray.get(shared_replicas[0].abort_update.remote("no-such-sync", "a barrier"), timeout=120)
+    assert state == refit.ReplicaStatus(Phase.SERVING, served)
+    assert "dropped it: SyncTimeoutError" in ray.get(shared_replicas[0].last_update.remote(), timeout=60)["outcome"]
+    assert syncer.add_replica(shared_replicas[0]) == "rollout 2"  # back, under a new name
+    report = syncer.sync()
+    assert [r.replica for r in report.replicas] == [1, 2]
+    assert_serves(shared_replicas, trainer, report.version)
+    syncer.close()
+
+
+def test_a_removed_replica_is_left_as_it_is_and_the_others_are_synced(shared_replicas, trainer):
+    wait_for(trainer, *shared_replicas)
+    syncer = refit.Syncer(trainer, shared_replicas, SMALL)
+    before = syncer.sync().version
+    assert syncer.remove_replica(shared_replicas[1]) == "rollout 1"  # by handle (also by id or name)
+    run_in(trainer, redraw, 26)
+    report = syncer.sync()
+    assert [r.replica for r in report.replicas] == [0]
+    assert_serves(shared_replicas[:1], trainer, report.version)
+    assert status(shared_replicas[1]) == refit.ReplicaStatus(Phase.SERVING, before)  # untouched
+    with pytest.raises(refit.ConfigError, match="'rollout 1' is not a replica of this Syncer; its replicas: rollout 0"):
+        syncer.remove_replica("rollout 1")
