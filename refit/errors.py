@@ -72,9 +72,18 @@ class ActorDiedError(EngineError):
         self.who = who  # pickled with the instance's __dict__, so it survives Ray
 
 
+class EngineGoneError(EngineError):
+    """A replica's engine is gone for good while the replica's actor lives on (a server that died, or restarted as
+    another server): the replica can never serve again, so a fleet drops it as it drops a dead actor."""
+
+
 class ServerError(EngineError):
     """A `vllm serve` replica's server cannot be reached, lacks what refit needs (dev mode, refit's worker
     extension or weight-transfer backend), or restarted; the message names its URL and what to do."""
+
+
+class ServerGoneError(ServerError, EngineGoneError):
+    """A `vllm serve` replica's server stopped answering connections, or restarted since the replica connected."""
 
 
 class SyncTimeoutError(RefitError, TimeoutError):

@@ -57,7 +57,7 @@ from typing import Any
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore
 from refit.engine.worker_rpc import decode_reply, encode_call
-from refit.errors import ConfigError, EngineError, ServerError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, ServerError, ServerGoneError, SyncTimeoutError
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
 
@@ -138,7 +138,7 @@ class ServerAdapter:
         self.timeout_s = config.timeout_s
         now = self._boot_ids()
         if now != self.boot_ids:
-            raise ServerError(
+            raise ServerGoneError(
                 f"the server at {self.url} restarted since this replica connected to it (worker boot id "
                 f"{self.boot_ids} is now {now}): it serves the weights it started with, not the last sync's, and "
                 "refit's record of it (version, scale provenance, collective group) is stale; create a new "
@@ -233,7 +233,7 @@ class ServerAdapter:
                 f"it died or its address is wrong. If it died, restart it ({_START_HINT}) and create a new "
                 "actors.ServerRollout for it"
             )
-            raise ServerError(f"the server at {self.url} could not be reached for {what}: {reason}; {fix}") from None
+            raise ServerGoneError(f"the server at {self.url} could not be reached for {what}: {reason}; {fix}") from None
         if raw or not payload:
             return payload
         return json.loads(payload)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit.errors import ActorDiedError, SyncTimeoutError, TransportError
+from refit.errors import ActorDiedError, EngineGoneError, SyncTimeoutError, TransportError
 from refit.transport.object_store import remote_error
 
 __all__ = [
@@ -63,9 +63,13 @@ def loss(outcome: Outcome) -> str | None:
     answering, and never one that answered with an error (a refused plan, a
     failed check), which would be a bug to hide. A death the target relays
     about another actor (a replica whose fetch found the trainer dead) is
-    that actor's, not the target's, and is no loss of the target.
+    that actor's, not the target's, and is no loss of the target. A
+    replica whose engine is gone while its actor lives (`EngineGoneError`: a
+    `vllm serve` server that died or restarted) has died as a replica.
     """
     if isinstance(outcome.error, ActorDiedError) and outcome.error.who == outcome.who:
+        return "died"
+    if isinstance(getattr(outcome.error, "cause", None) or outcome.error, EngineGoneError):
         return "died"
     if outcome.unanswered:
         return "missed the deadline"
