@@ -40,16 +40,17 @@ def test_readme_has_python_blocks_and_each_names_only_known_placeholders():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_block_runs_as_written(index, tmp_path, ray_cluster):
-    code = readme_python_blocks()[index]
+def test_the_readme_runs_as_written(tmp_path, ray_cluster):
+    """Its Python blocks, in order, as one script: a reader's session, each block going on from the one before."""
+    code = "\n".join(readme_python_blocks())
     for placeholder, path in PLACEHOLDERS.items():
         code = code.replace(placeholder, path)
-    script = tmp_path / "readme_block.py"
+    script = tmp_path / "readme.py"
     script.write_text("num_steps = 2  # the README leaves the loop's length to the reader\n" + code)
     out = run_python([str(script)], ray_address=ray_cluster.address)
     assert "sync v1:" in out and "sync v2:" in out, out
     assert re.search(r"model\.layers\.1\.self_attn\.attn +k_scale +default +1 +1$", out, re.MULTILINE), out  # provenance
+    assert "['rollout 1', 'rollout 2']" in out, out  # the fleet block: one replica joined, rollout 0 removed
 
 
 @pytest.mark.engine
