@@ -86,3 +86,88 @@ int refit_bf16_all_finite(const uint16_t *x, long n, int threads) {
   for (long i = 0; i < n; i++) bad |= (x[i] & 0x7F80) == 0x7F80;
   return !bad;
 }
+
+/* CRC-32 (zlib's polynomial, so equal to zlib.crc32) by carry-less
+ * multiplication folding: Gopal et al., "Fast CRC Computation for Generic
+ * Polynomials Using PCLMULQDQ Instruction" (Intel, 2009), with that paper's
+ * bit-reflected fold and Barrett constants. zlib 1.2.13's table-driven loop
+ * ran at 2-4 GB/s here, which made checksums ~10% of a sync on each side;
+ * folding four 16-byte lanes runs several times faster. Bytes that do not
+ * fill a 16-byte lane go through the byte-wise table. `state` is the running
+ * CRC register (~crc); the caller inverts it. */
+static uint32_t crc_table[256];
+
+__attribute__((constructor)) static void crc_table_init(void) {
+  for (uint32_t n = 0; n < 256; n++) {
+    uint32_t c = n;
+    for (int k = 0; k < 8; k++) c = c & 1u ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    crc_table[n] = c;
+  }
+}
+
+static uint32_t crc_bytes(uint32_t state, const uint8_t *p, long n) {
+  for (long i = 0; i < n; i++) state = crc_table[(state ^ p[i]) & 0xFFu] ^ (state >> 8);
+  return state;
+}
+
+#if defined(__PCLMUL__) && defined(__SSE4_1__)
+#include <immintrin.h>
+/* n >= 64 and a multiple of 16. */
+static uint32_t crc_fold(uint32_t state, const uint8_t *p, long n) {
+  const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596LL, 0x0154442bd4LL);
+  const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL);
+  const __m128i k5k0 = _mm_set_epi64x(0, 0x0163cd6124LL);
+  const __m128i poly = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL);
+  const __m128i low32 = _mm_setr_epi32(~0, 0, ~0, 0);
+  __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 0));
+  __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 16));
+  __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 32));
+  __m128i x4 = _mm_loadu_si128((const __m128i *)(p + 48));
+  x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)state));
+  p += 64;
+  n -= 64;
+  for (; n >= 64; p += 64, n -= 64) { /* four lanes, each folded 512 bits ahead */
+    __m128i a = _mm_clmulepi64_si128(x1, k1k2, 0x00), b = _mm_clmulepi64_si128(x2, k1k2, 0x00);
+    __m128i c = _mm_clmulepi64_si128(x3, k1k2, 0x00), d = _mm_clmulepi64_si128(x4, k1k2, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k1k2, 0x11), a), _mm_loadu_si128((const __m128i *)(p + 0)));
+    x2 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x2, k1k2, 0x11), b), _mm_loadu_si128((const __m128i *)(p + 16)));
+    x3 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x3, k1k2, 0x11), c), _mm_loadu_si128((const __m128i *)(p + 32)));
+    x4 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x4, k1k2, 0x11), d), _mm_loadu_si128((const __m128i *)(p + 48)));
+  }
+  /* four lanes into one, then the remaining 16-byte blocks */
+  const __m128i lanes[3] = {x2, x3, x4};
+  for (int i = 0; i < 3; i++) {
+    __m128i a = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), lanes[i]), a);
+  }
+  for (; n >= 16; p += 16, n -= 16) {
+    __m128i a = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), _mm_loadu_si128((const __m128i *)p)), a);
+  }
+  /* 128 -> 64 bits */
+  __m128i t = _mm_clmulepi64_si128(x1, k3k4, 0x10);
+  x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), t);
+  t = _mm_srli_si128(x1, 4);
+  x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, low32), k5k0, 0x00), t);
+  /* Barrett reduction to 32 bits */
+  t = _mm_clmulepi64_si128(_mm_and_si128(x1, low32), poly, 0x10);
+  t = _mm_clmulepi64_si128(_mm_and_si128(t, low32), poly, 0x00);
+  return (uint32_t)_mm_extract_epi32(_mm_xor_si128(x1, t), 1);
+}
+int refit_crc32_folds(void) { return 1; }
+#else
+static uint32_t crc_fold(uint32_t state, const uint8_t *p, long n) { return crc_bytes(state, p, n); }
+int refit_crc32_folds(void) { return 0; }
+#endif
+
+/* zlib.crc32(p[:n], crc). */
+uint32_t refit_crc32(const uint8_t *p, long n, uint32_t crc) {
+  uint32_t state = ~crc;
+  if (n >= 64) {
+    const long folded = n & ~15L;
+    state = crc_fold(state, p, folded);
+    p += folded;
+    n -= folded;
+  }
+  return ~crc_bytes(state, p, n);
+}
