@@ -50,7 +50,10 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
                 writer.seal(slot)
                 writer.seal(slot + 1)
                 slot += 2
-        yield writer.finish()
+        bucket_out = writer.finish()
+        del writer  # the consumer has the bucket: hold no second buffer while the next one is written
+        yield bucket_out
+        del bucket_out
 
 
 def loadable_tensors(
