@@ -21,6 +21,7 @@ def timed(items: Iterator[T], add_seconds: Callable[[float], None]) -> Iterator[
         if item is None:
             return
         yield item
+        del item  # not held while the next item is made (a bucket buffer each)
 
 
 def private_rss_bytes() -> int:

@@ -47,6 +47,7 @@ import ray
 import torch
 
 import refit
+from benchmarks import _instruments as instruments
 from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
 from fixtures.cluster import local_cluster
 from refit.plan.transfer_plan import TransferPlan
@@ -90,6 +91,9 @@ class SizeResult:
     fp8_wire_bytes: int
     buckets: int
     paths: dict[str, PathResult]
+    largest_bucket_bytes: int = 0
+    stage_detail: dict[str, dict[str, float]] = field(default_factory=dict)  # side -> stage -> s, one untimed default sync
+    peak_extra_bytes: dict[str, int] = field(default_factory=dict)  # side -> private RSS peak above its level before
 
 
 # -- the alternatives, run inside the actors ------------------------------------------------------
@@ -138,10 +142,13 @@ def clone_weights(trainer) -> float:
 
 # -- the run ----------------------------------------------------------------------------------------
 
-def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scratch: Path) -> SizeResult:
+def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scratch: Path,
+                 only: list[str] | None = None) -> SizeResult:
     trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(scratch / f"{layers}x{hidden}", layers, hidden))
     try:
-        syncers = {name: refit.Syncer(trainer, rollout, config) for name, config in refit_paths(bucket_bytes).items()}
+        paths = {name: config for name, config in refit_paths(bucket_bytes).items()
+                 if name == DEFAULT or not only or any(word in name for word in only)}
+        syncers = {name: refit.Syncer(trainer, rollout, config) for name, config in paths.items()}
         results = {name: PathResult() for name in [*syncers, ROUND_TRIP, CLONE]}
         for syncer in syncers.values():  # warm-up: actors started, plans made, kernels built, pages touched
             syncer.sync()
@@ -154,6 +161,7 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
                     results[name].seconds.append(report.total_seconds)
                     results[name].stages = stage_split(report)
                 results[CLONE].seconds.append(run_in(trainer, clone_weights))
+            detail, memory = instrumented_sync(syncers[DEFAULT], trainer, rollout)
             # Last: vLLM's raw reload leaves placeholder KV scales that no refit stage repairs (the seed bug).
             for _ in range(repeats):
                 write = run_in(trainer, write_fp8_checkpoint, plan, str(shm), timeout=600)
@@ -162,11 +170,26 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
                 results[ROUND_TRIP].stages = {"write": write, "reload": load}
         finally:
             shutil.rmtree(shm, ignore_errors=True)
+        largest = max(sum(t.wire_bytes(plan.quantize_on) for t in bucket) for bucket in plan.buckets)
         return SizeResult(layers, hidden, sum(t.source_bytes for t in plan.tensors), plan.wire_bytes,
-                          len(plan.buckets), results)
+                          len(plan.buckets), results, largest, detail, memory)
     finally:
         for actor in (trainer, rollout):
             ray.kill(actor)
+
+
+def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    """One more default sync, untimed, with both sides' stage clocks and memory samplers running."""
+    sides = {"trainer": trainer, "rollout": rollout}
+    for actor in sides.values():
+        run_in(actor, instruments.stages_start)
+        run_in(actor, instruments.memory_start)
+    report = syncer.sync()
+    memory = {side: run_in(actor, instruments.memory_stop) for side, actor in sides.items()}
+    detail = {side: run_in(actor, instruments.stages_stop) for side, actor in sides.items()}
+    if report.trainer_seconds is not None:  # what the clocks do not cover: copies of unquantized tensors, buffers
+        detail["trainer"]["other"] = report.trainer_seconds - sum(detail["trainer"].values())
+    return detail, memory
 
 
 def stage_split(report: refit.SyncReport) -> dict[str, float]:
@@ -199,6 +222,12 @@ def table(size: SizeResult) -> str:
         ratio = f"{round_trip / result.median:.2f}x" if name != CLONE else ""
         bandwidth = f"{floor / result.median:.2f}" if name not in (CLONE, ROUND_TRIP) else ""
         lines.append(f"  {name:<32} {result.median:>9.3f} {ratio:>14} {bandwidth:>12}  {stages}")
+    for side, stages in size.stage_detail.items():
+        lines.append(f"  {DEFAULT} by stage, {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
+    bucket = size.largest_bucket_bytes
+    lines.append("  peak extra private memory over a default sync: " + ", ".join(
+        f"{side} {extra / 2**20:.0f} MiB ({extra / bucket:.2f} x its largest bucket of {bucket / 2**20:.0f} MiB)"
+        for side, extra in size.peak_extra_bytes.items()) + "; in-flight buckets in Ray's object store not included")
     return "\n".join(lines)
 
 
@@ -259,13 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mib", type=float, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="comma-separated words: measure only the refit paths whose name has one (the default always runs)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     results: list[SizeResult] = []
     with tempfile.TemporaryDirectory() as scratch, cluster():
         for layers, hidden in args.sizes:
-            results.append(measure_size(layers, hidden, int(args.bucket_mib * 2**20), args.repeats, Path(scratch)))
+            results.append(measure_size(layers, hidden, int(args.bucket_mib * 2**20), args.repeats, Path(scratch), args.only))
             print(table(results[-1]), flush=True)
 
     fits = {name: fit(results, name) for name in results[0].paths}

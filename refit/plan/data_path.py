@@ -16,8 +16,8 @@ from refit.errors import InvalidTensorError, PlanMismatchError, VerificationErro
 from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
-from refit.quantizer.fp8_block import is_finite, loadable_form
-from refit.transport.buckets import WireBucket, pack_bucket
+from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block
+from refit.transport.buckets import BucketWriter, WireBucket
 from refit.transport.checksums import crc32
 
 __all__ = ["loadable_tensors", "produce_buckets"]
@@ -33,11 +33,27 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
     """
     _preflight(plan, tensor)
     for index, bucket in enumerate(plan.buckets):
-        wire: list[tuple[str, torch.Tensor]] = []
-        for planned in bucket:
-            block = planned.block if plan.quantize_on is QuantizeOn.TRAINER else None
-            wire += loadable_form(planned.target, tensor(planned.source).detach(), block)
-        yield pack_bucket(index, wire)
+        # Laid out from the plan first, so the quantizer writes its codes and
+        # scales straight into the buffer they travel in.
+        blocks = [planned.block if plan.quantize_on is QuantizeOn.TRAINER else None for planned in bucket]
+        writer = BucketWriter(index, [entry for planned, block in zip(bucket, blocks) for entry in
+                                      loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block)])
+        slot = 0
+        for planned, block in zip(bucket, blocks):
+            value = tensor(planned.source).detach()
+            if block is None:
+                writer.slot(slot).copy_(value)
+                writer.seal(slot)
+                slot += 1
+            else:
+                quantize_fp8_block(value, block, name=planned.target, out=(writer.slot(slot), writer.slot(slot + 1)))
+                writer.seal(slot)
+                writer.seal(slot + 1)
+                slot += 2
+        bucket_out = writer.finish()
+        del writer  # the consumer has the bucket: hold no second buffer while the next one is written
+        yield bucket_out
+        del bucket_out
 
 
 def loadable_tensors(

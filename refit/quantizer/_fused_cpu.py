@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["all_finite", "bf16_to_fp8_codes", "handles", "quantize"]
+__all__ = ["all_finite", "bf16_to_fp8_codes", "crc32", "handles", "quantize"]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -46,17 +46,35 @@ def handles(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _library() is not None
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D bf16 CPU tensor; NaN/Inf blocks get a NaN scale."""
+def quantize(
+    weight: torch.Tensor, block: tuple[int, int], out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D bf16 CPU tensor; NaN/Inf blocks get a NaN scale.
+
+    `out`: contiguous (codes, scale) tensors to write into, e.g. views of a
+    bucket's buffer, so the codes are written once, where they travel from.
+    """
     rows, cols = weight.shape
     bh, bw = block
     weight = weight.contiguous()
-    codes = torch.empty((rows, cols), dtype=torch.uint8)
-    scale_bits = torch.empty((-(-rows // bh), -(-cols // bw)), dtype=torch.int16)
+    if out is None:
+        out = (torch.empty((rows, cols), dtype=torch.float8_e4m3fn), torch.empty((-(-rows // bh), -(-cols // bw)), dtype=torch.bfloat16))
+    codes, scale = out
+    if not (codes.is_contiguous() and scale.is_contiguous() and codes.numel() == rows * cols
+            and scale.numel() == -(-rows // bh) * -(-cols // bw) and codes.element_size() == 1 and scale.element_size() == 2):
+        raise ValueError(f"quantize: out tensors {tuple(codes.shape)}, {tuple(scale.shape)} do not fit a {rows}x{cols} weight")
     _library().refit_fp8_block_bf16(
-        weight.data_ptr(), codes.data_ptr(), scale_bits.data_ptr(), rows, cols, bh, bw, torch.get_num_threads()
+        weight.data_ptr(), codes.data_ptr(), scale.data_ptr(), rows, cols, bh, bw, torch.get_num_threads()
     )
-    return codes.view(torch.float8_e4m3fn), scale_bits.view(torch.bfloat16)
+    return codes.view(torch.float8_e4m3fn), scale.view(torch.bfloat16)
+
+
+def crc32(data: torch.Tensor) -> int | None:
+    """zlib.crc32 of a contiguous CPU tensor's bytes, folded with PCLMULQDQ; None where this kernel does not apply."""
+    library = _library()
+    if library is None or not library.refit_crc32_folds() or data.device.type != "cpu" or not data.is_contiguous():
+        return None
+    return library.refit_crc32(data.data_ptr(), data.numel() * data.element_size(), 0)
 
 
 def all_finite(tensor: torch.Tensor) -> bool | None:
@@ -101,4 +119,8 @@ def _library() -> ctypes.CDLL | None:
     library.refit_bf16_to_fp8_e4m3.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     library.refit_bf16_all_finite.restype = ctypes.c_int
     library.refit_bf16_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    library.refit_crc32.restype = ctypes.c_uint32
+    library.refit_crc32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint32]
+    library.refit_crc32_folds.restype = ctypes.c_int
+    library.refit_crc32_folds.argtypes = []
     return library

@@ -29,6 +29,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "SUPPORTED_DTYPES",
     "loadable_form",
+    "loadable_layout",
     "dequantize_fp8_block",
     "is_finite",
     "quantize_fp8_block",
@@ -39,22 +40,26 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def quantize_fp8_block(
-    weight: torch.Tensor, block: tuple[int, int] = (128, 128), *, name: str = "<unnamed>"
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), *, name: str = "<unnamed>",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to FP8_BLOCK; returns `(weight_fp8, weight_scale)`.
 
     Runs on the tensor's own device. Raises `InvalidTensorError`, naming
     `name`, for a tensor that is not 2-D, not bf16/fp16/fp32, or holds NaN or
     Inf; nothing is returned for such a tensor, so nothing half-made can be
-    sent on.
+    sent on. `out`: `(weight_fp8, weight_scale)` tensors of the shapes and
+    dtypes `loadable_layout` gives, written in place (a bucket's buffer).
     """
     _check_quantizable(weight, block, name)
     from refit.quantizer import _fused_cpu
 
-    if _fused_cpu.handles(weight):
-        q, scale = _fused_cpu.quantize(weight, block)
+    if _fused_cpu.handles(weight) and (out is None or out[0].device.type == "cpu"):
+        q, scale = _fused_cpu.quantize(weight, block, out)
     else:
         q, scale = _quantize_with_torch(weight, block)
+        if out is not None:
+            q, scale = out[0].copy_(q), out[1].copy_(scale)
     if not bool(torch.isfinite(scale).all()):
         # amax is NaN/Inf exactly when the block holds NaN/Inf: checking the
         # few scales costs nothing, a separate pass over the weight would not.
@@ -79,6 +84,16 @@ def loadable_form(
         return [(name, weight)]
     q, scale = quantize_fp8_block(weight, block, name=name)
     return [(name, q), (scale_name(name), scale)]
+
+
+def loadable_layout(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, block: tuple[int, int] | None
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """`(name, dtype, shape)` of what `loadable_form` makes of such a weight, known before it is made."""
+    if block is None:
+        return [(name, dtype, tuple(shape))]
+    (rows, cols), (bh, bw) = shape, block
+    return [(name, torch.float8_e4m3fn, (rows, cols)), (scale_name(name), dtype, (-(-rows // bh), -(-cols // bw)))]
 
 
 def is_finite(tensor: torch.Tensor) -> bool:

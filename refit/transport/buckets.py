@@ -10,6 +10,7 @@ sidestep Ray's lack of float8 support (in Ray 2.60 `ray.get` of a
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.checksums import crc32
 
-__all__ = ["BucketContents", "WireBucket", "WireTensor", "pack_bucket"]
+__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "pack_bucket"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -103,28 +104,65 @@ class WireBucket:
         return [(t, flat[t.offset : t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape)) for t in self.tensors]
 
 
+class BucketWriter:
+    """A bucket's buffer, laid out from its table before any of its tensors exists.
+
+    Producers write each tensor straight into its place (`slot(i)`), e.g. the
+    quantizer its FP8 codes, then `seal(i)` checksums it while its bytes are
+    still in cache; `finish()` hands over the bucket. That writes every byte
+    once, where it travels from: the quantizer's own output tensors and a
+    copy of them into the buffer cost a sync about as much as quantizing did.
+    `entries`: `(name, dtype, shape)` in bucket order; `row_offsets` marks row
+    slices of a tensor.
+    """
+
+    def __init__(
+        self, index: int, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+        *, row_offsets: Mapping[str, int] | None = None,
+    ) -> None:
+        row_offsets = row_offsets or {}
+        table: list[WireTensor] = []
+        offset = 0
+        for name, dtype, shape in entries:
+            dtype_name = str(dtype).removeprefix("torch.")
+            if dtype_name not in _DTYPES:
+                raise InvalidTensorError(f"{name}: dtype {dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}")
+            nbytes = math.prod(shape) * dtype.itemsize
+            table.append(WireTensor(name, dtype_name, tuple(shape), offset, nbytes, row_offsets.get(name, 0)))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.index = index
+        self._table = table
+        self._buffer = np.empty(offset, dtype=np.uint8)
+        self._flat = torch.from_numpy(self._buffer)
+
+    def slot(self, i: int) -> torch.Tensor:
+        """Entry `i`'s place in the buffer, as a tensor of its dtype and shape, to write into."""
+        entry = self._table[i]
+        return self._flat[entry.offset : entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).view(entry.shape)
+
+    def seal(self, i: int) -> None:
+        """Entry `i` is written: checksum its bytes."""
+        entry = self._table[i]
+        self._table[i] = dataclasses.replace(entry, crc32=crc32(self._flat[entry.offset : entry.offset + entry.nbytes]))
+
+    def finish(self) -> WireBucket:
+        """The bucket; every entry must have been written and sealed."""
+        unsealed = [t.name for t in self._table if t.crc32 is None]
+        if unsealed:
+            raise InvalidTensorError(f"bucket {self.index}: {', '.join(unsealed)} never written into it")
+        return WireBucket(self.index, tuple(self._table), self._buffer)
+
+
 def pack_bucket(
     index: int, tensors: Iterable[tuple[str, torch.Tensor]], *, row_offsets: Mapping[str, int] | None = None
 ) -> WireBucket:
     """Copy `tensors` (CPU or GPU) into one contiguous host buffer; `row_offsets` marks row slices of a tensor."""
     items = list(tensors)
-    row_offsets = row_offsets or {}
-    table: list[WireTensor] = []
-    offset = 0
-    for name, tensor in items:
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise InvalidTensorError(f"{name}: dtype {tensor.dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}")
-        nbytes = tensor.numel() * tensor.element_size()
-        table.append(WireTensor(name, dtype, tuple(tensor.shape), offset, nbytes, row_offsets.get(name, 0)))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    buffer = np.empty(offset, dtype=np.uint8)
-    flat = torch.from_numpy(buffer)
-    for i, (entry, (_, tensor)) in enumerate(zip(table, items)):
-        packed = flat[entry.offset : entry.offset + entry.nbytes]
-        packed.copy_(tensor.contiguous().view(-1).view(torch.uint8))
-        table[i] = dataclasses.replace(entry, crc32=crc32(packed))
-    return WireBucket(index, tuple(table), buffer)
+    writer = BucketWriter(index, ((name, t.dtype, tuple(t.shape)) for name, t in items), row_offsets=row_offsets)
+    for i, (_, tensor) in enumerate(items):
+        writer.slot(i).copy_(tensor)
+        writer.seal(i)
+    return writer.finish()
 
 
 def _as_tensor(buffer: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,6 +17,8 @@ from fixtures import model_dir
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, loadable_tensors, make_plan, produce_buckets
 from refit.quantizer import quantize_fp8_block
+from refit.quantizer.fp8_block import loadable_form
+from refit.transport.buckets import pack_bucket
 
 
 def rollout_model(tied: bool, quantized: bool) -> RolloutModelInfo:
@@ -163,3 +166,19 @@ def test_layers_after_names_exactly_the_layers_that_straddle_a_bucket_boundary()
     for index, bucket in enumerate(plan.buckets):
         later = {layer_key(t.target) for b in plan.buckets[index + 1 :] for t in b}
         assert plan.layers_after(index) == {layer_key(t.target) for t in bucket} & later
+
+
+@pytest.mark.parametrize("quantize_on", ["trainer", "rollout"])
+def test_buckets_written_in_place_equal_the_quantizers_tensors_packed(quantize_on):
+    """produce_buckets quantizes straight into each bucket's buffer: the same bytes, table and checksums as
+    quantizing first and packing a copy."""
+    model = trainer_model(tied=False)
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(300_000, quantize_on))
+    block_of = (lambda t: t.block) if quantize_on == "trainer" else (lambda t: None)
+    for bucket in produce_buckets(plan, lookup(model)):
+        tensors = [pair for t in plan.buckets[bucket.index] for pair in loadable_form(t.target, lookup(model)(t.source), block_of(t))]
+        packed = pack_bucket(bucket.index, tensors)
+        assert bucket.tensors == packed.tensors
+        for entry in bucket.tensors:  # the bytes between entries are padding
+            span = slice(entry.offset, entry.offset + entry.nbytes)
+            assert np.array_equal(bucket.buffer[span], packed.buffer[span]), entry.name
