@@ -69,7 +69,7 @@ def loss(outcome: Outcome) -> str | None:
     """
     if isinstance(outcome.error, ActorDiedError) and outcome.error.who == outcome.who:
         return "died"
-    if isinstance(getattr(outcome.error, "cause", None) or outcome.error, EngineGoneError):
+    if isinstance(outcome.error, EngineGoneError):  # `_resolve` made Ray's wrapper an instance of the remote error's class
         return "died"
     if outcome.unanswered:
         return "missed the deadline"
