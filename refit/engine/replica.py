@@ -172,7 +172,7 @@ class ReplicaCore:
             if holds:
                 self.engine.hold_requests()
             try:
-                version = self.lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
+                version = self.lifecycle.begin(sync_id, lease_s=config.update_lease_s, drain_timeout_s=config.timeout_s)
             except BaseException:
                 if holds:
                     self.engine.release_requests()

@@ -93,8 +93,8 @@ class SyncConfig:
     timeout_s: float = 120.0
     """Deadline of every remote wait of a sync (begin, each bucket, finish, abort). A trainer that
     dies or stops answering fails the sync, naming it, within this time; a replica is dropped from
-    the sync within it (see `min_replicas`); a replica whose update gets no call for this long
-    closes it by itself. It must also cover the trainer's
+    the sync within it (see `min_replicas`); a replica whose update gets no call for
+    `update_lease_s` (three of these) closes it by itself. It must also cover the trainer's
     check of every tensor before its first bucket (about 4 GB/s of bf16 on one CPU core)."""
 
     min_replicas: int = 1
@@ -108,6 +108,18 @@ class SyncConfig:
     (loading a model, starting an engine: minutes on a GPU with torch.compile and CUDA graphs)
     before its first remote call. Awaited once per `Syncer`, before `timeout_s` applies; an actor
     whose constructor fails ends the wait at once, by name."""
+
+    @property
+    def update_lease_s(self) -> float:
+        """How long a replica's open update lives without a call from its sync before it closes it.
+
+        Why three deadlines: a live driver may rightly be silent towards one
+        replica for two of them (waiting out a straggler it then drops, then
+        the trainer's next bucket) plus its own work on a loaded machine. A
+        lease of one deadline closed a healthy survivor's update while the
+        driver dropped a hung replica, and failed the sync it was rescuing.
+        """
+        return 3 * self.timeout_s
 
     def __post_init__(self) -> None:
         problems: list[str] = []

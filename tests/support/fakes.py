@@ -83,7 +83,7 @@ class FakeReplica:
 
     def begin_update(self, plan, sync_id, config):
         self._raise("begin")
-        version = self.lifecycle.begin(sync_id, lease_s=config.timeout_s, drain_timeout_s=config.timeout_s)
+        version = self.lifecycle.begin(sync_id, lease_s=config.update_lease_s, drain_timeout_s=config.timeout_s)
         self._plan, self._pending = plan, {}
         return version
 

@@ -1,0 +1,238 @@
+"""A reference FP8 KV-cache attention for x86 CPUs without AVX-512 or AMX, as a vLLM plugin.
+
+Why it exists: vLLM 0.32's CPU attention (`CPU_ATTN`) stores an FP8 KV cache
+only in its AVX-512 and AMX builds. On an AVX2-only x86 CPU (vLLM loads
+`_C_AVX2` there) every engine with `kv_cache_dtype="fp8*"` fails at start-up
+("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"), and with the check
+bypassed the AVX2 kernel refuses the configuration ("Unsupported CPU attention
+configuration ... kv_cache_idx=1"). The FP8 KV cache is what refit's
+post-refit stage and provenance exist for, so without it neither could run
+on such a machine.
+
+On those CPUs only, and only for FP8 caches, this replaces two steps of
+`CPU_ATTN` with plain torch:
+- `do_kv_cache_update`: each new token's key and value are divided by the
+  layer's `k_scale`/`v_scale`, saturated to the FP8 format's range, and
+  stored as FP8 codes (uint8 bytes, the layout vLLM allocated) at their slot;
+- `forward`: each request's cached codes are gathered through its block
+  table, dequantized with the same scales, and attended (causal, grouped
+  query heads, sliding window and soft cap as configured) in float32.
+
+The scales are read from the layer at every call, as vLLM's kernel reads
+them, so a stale or placeholder scale corrupts generations here exactly as it
+does on other hardware: the seed bug reproduces, and the post-refit stage is
+tested against it. Slow (one Python loop over requests per layer), which
+does not matter for the small models it serves in tests. Everywhere else
+(AVX-512, AMX, other architectures, non-FP8 caches) vLLM's kernels run as
+they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import vllm.platforms
+
+from refit.engine.compat import incompatible_vllm
+
+__all__ = ["attend_fp8", "needs_reference", "register", "store_fp8"]
+
+_FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _incompatible_vllm(problem: str):
+    return incompatible_vllm("CPU FP8 KV-cache attention", problem)
+
+
+def needs_reference() -> bool:
+    """Whether vLLM's CPU attention lacks an FP8 KV cache here: an x86 CPU with neither AVX-512 nor AMX."""
+    from vllm.platforms import CpuArchEnum
+
+    if vllm.platforms.current_platform.get_cpu_architecture() is not CpuArchEnum.X86:
+        return False
+    return not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def fp8_format(kv_cache_dtype: str) -> torch.dtype:
+    try:
+        return _FP8_FORMATS[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {sorted(_FP8_FORMATS)}") from None
+
+
+def store_fp8(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float, fmt: torch.dtype) -> None:
+    """Write `x` [tokens, kv_heads, head_size] into `cache` [blocks, kv_heads, block_size, head_size] as FP8 codes.
+
+    Tokens whose slot is negative (padding) are skipped. Saturated, not
+    overflowed: torch's cast turns out-of-range values into NaN.
+    """
+    slots = slot_mapping.to(torch.long)
+    keep = slots >= 0
+    slots, x = slots[keep], x[: slot_mapping.numel()][keep]
+    block_size = cache.shape[2]
+    limit = torch.finfo(fmt).max
+    codes = (x.float() / scale).clamp(-limit, limit).to(fmt).view(torch.uint8)
+    cache.view(torch.uint8)[slots // block_size, :, slots % block_size] = codes
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int, scale: float, fmt: torch.dtype) -> torch.Tensor:
+    """One request's first `length` cached tokens, dequantized: [length, kv_heads, head_size] float32."""
+    codes = cache.view(torch.uint8)[blocks]  # [n, kv_heads, block_size, head_size]
+    codes = codes.permute(0, 2, 1, 3).reshape(-1, *codes.shape[1::2])[:length]
+    return codes.view(fmt).float() * scale
+
+
+def attend_fp8(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+    fmt: torch.dtype,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """Attention of each request's queries over its FP8-cached keys and values, written into `output`.
+
+    `query` [tokens, heads, head_size]; a request's queries are the last
+    tokens of its sequence (`seq_lens` counts the cached context and them).
+    """
+    starts = query_start_loc.tolist()
+    block_size = key_cache.shape[2]
+    heads, kv_heads = query.shape[1], key_cache.shape[1]
+    for request, length in enumerate(seq_lens.tolist()):
+        first, last = starts[request], starts[request + 1]
+        if last == first:
+            continue
+        blocks = block_table[request, : math.ceil(length / block_size)].to(torch.long)
+        keys = _gather(key_cache, blocks, length, k_scale, fmt).repeat_interleave(heads // kv_heads, dim=1)
+        values = _gather(value_cache, blocks, length, v_scale, fmt).repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[first:last].float(), keys) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        query_pos = torch.arange(length - (last - first), length)[:, None]
+        key_pos = torch.arange(length)[None, :]
+        allowed = key_pos <= query_pos if causal else torch.ones_like(key_pos <= query_pos)
+        if sliding_window > 0:
+            allowed &= key_pos > query_pos - sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        attended = torch.einsum("hqk,khd->qhd", probs, values)
+        output[first:last].copy_(attended.reshape(output[first:last].shape))
+
+
+def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value halves of a `CPU_ATTN` cache [blocks, kv_heads, block_size, 2 * head_size], as vLLM splits it."""
+    blocks, kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
+
+
+def _refuse_unsupported(impl) -> None:
+    from vllm.v1.attention.backend import AttentionType
+
+    unsupported = {
+        "attention sinks": impl.sinks is not None,
+        "ALiBi": impl.alibi_slopes is not None,
+        f"attention type {impl.attn_type!r}": impl.attn_type != AttentionType.DECODER,
+    }
+    named = [what for what, present in unsupported.items() if present]
+    if named:
+        raise NotImplementedError(
+            f"refit's reference FP8 KV-cache attention (this CPU has neither AVX-512 nor AMX) does not "
+            f"support {', '.join(named)}; use kv_cache_dtype='auto' on this machine"
+        )
+
+
+def _reference_update(original):
+    @functools.wraps(original)
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if not self.is_fp8_kv_cache:
+            return original(self, layer, key, value, kv_cache, slot_mapping)
+        _refuse_unsupported(self)
+        fmt = fp8_format(self.kv_cache_dtype)
+        key_cache, value_cache = _split(kv_cache)
+        store_fp8(key, key_cache, slot_mapping, layer._k_scale_float, fmt)
+        store_fp8(value, value_cache, slot_mapping, layer._v_scale_float, fmt)
+
+    do_kv_cache_update._refit = True
+    return do_kv_cache_update
+
+
+def _reference_forward(original):
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if not self.is_fp8_kv_cache or attn_metadata is None:  # None: a warm-up pass
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        _refuse_unsupported(self)
+        if output_scale is not None or output_block_scale is not None or attn_metadata.dynamic_causal is not None:
+            raise NotImplementedError("refit's reference FP8 KV-cache attention: fused output quantization and "
+                                      "dynamic causal masks are not supported")
+        tokens = attn_metadata.num_actual_tokens
+        key_cache, value_cache = _split(kv_cache)
+        attend_fp8(
+            query[:tokens], key_cache, value_cache, output[:tokens],
+            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table, scale=self.scale, k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float, fmt=fp8_format(self.kv_cache_dtype), causal=attn_metadata.causal,
+            sliding_window=self.sliding_window, softcap=float(self.logits_soft_cap or 0.0),
+        )
+        return output
+
+    forward._refit = True
+    return forward
+
+
+def _isa_without_fp8(get_attn_isa):
+    """vLLM's ISA choice as for a bf16 cache: what the metadata builder's non-attention steps run on."""
+
+    @functools.wraps(get_attn_isa)
+    def wrapped(dtype, block_size, head_size=None, kv_cache_dtype=None):
+        return get_attn_isa(dtype, block_size, head_size, None)
+
+    return wrapped
+
+
+def _builder_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        # Read only to size the native kernel's scheduler metadata, which the reference never uses;
+        # the AVX2 build refuses to make it for an FP8 cache.
+        self.kv_cache_dtype = "auto"
+
+    return __init__
+
+
+def register() -> None:
+    """On x86 CPUs without AVX-512 or AMX, route `CPU_ATTN`'s FP8 KV-cache steps to the reference above.
+
+    A no-op elsewhere and when already registered (vLLM runs general plugins
+    more than once per process). Raises `EngineError` naming the expected
+    vLLM version if the backend's methods it wraps are missing.
+    """
+    if not vllm.platforms.current_platform.is_cpu() or not needs_reference():
+        return
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError as exc:
+        raise _incompatible_vllm(f"an import fails ({exc})") from exc
+    impl, builder = cpu_attn.CPUAttentionBackendImpl, cpu_attn.CPUAttentionMetadataBuilder
+    for owner, name in ((impl, "forward"), (impl, "do_kv_cache_update"), (builder, "__init__"), (cpu_attn, "_get_attn_isa")):
+        if not callable(getattr(owner, name, None)):
+            raise _incompatible_vllm(f"vllm.v1.attention.backends.cpu_attn: {getattr(owner, '__name__', owner)}.{name} is missing")
+    if getattr(impl.forward, "_refit", False):
+        return
+    impl.forward = _reference_forward(impl.forward)
+    impl.do_kv_cache_update = _reference_update(impl.do_kv_cache_update)
+    builder.__init__ = _builder_init(builder.__init__)
+    cpu_attn._get_attn_isa = _isa_without_fp8(cpu_attn._get_attn_isa)
