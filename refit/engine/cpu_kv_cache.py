@@ -62,12 +62,20 @@ def fp8_format(kv_cache_dtype: str) -> torch.dtype:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {sorted(_FP8_FORMATS)}") from None
 
 
-def store_fp8(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float, fmt: torch.dtype) -> None:
+def _check_scale(which: str, scale: float) -> None:
+    # vLLM's FP8 kernels refuse such a scale with this message; a dummy-loaded scale must fail the same way here.
+    if not scale > 0 or not math.isfinite(scale):
+        raise RuntimeError(f"{which} must be positive for FP8 path (got {scale})")
+
+
+def store_fp8(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float, fmt: torch.dtype,
+              which: str = "k_scale") -> None:
     """Write `x` [tokens, kv_heads, head_size] into `cache` [blocks, kv_heads, block_size, head_size] as FP8 codes.
 
     Tokens whose slot is negative (padding) are skipped. Saturated, not
     overflowed: torch's cast turns out-of-range values into NaN.
     """
+    _check_scale(which, scale)
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
     slots, x = slots[keep], x[: slot_mapping.numel()][keep]
@@ -77,11 +85,36 @@ def store_fp8(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, 
     cache.view(torch.uint8)[slots // block_size, :, slots % block_size] = codes
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int, scale: float, fmt: torch.dtype) -> torch.Tensor:
-    """One request's first `length` cached tokens, dequantized: [length, kv_heads, head_size] float32."""
-    codes = cache.view(torch.uint8)[blocks]  # [n, kv_heads, block_size, head_size]
-    codes = codes.permute(0, 2, 1, 3).reshape(-1, *codes.shape[1::2])[:length]
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
+    """The cached tokens of `blocks` [requests, n] dequantized: [requests, n * block_size, kv_heads, head_size] float32."""
+    codes = cache.view(torch.uint8)[blocks]  # [requests, n, kv_heads, block_size, head_size]
+    requests, n, kv_heads, block_size, head_size = codes.shape
+    codes = codes.permute(0, 1, 3, 2, 4).reshape(requests, n * block_size, kv_heads, head_size)
     return codes.view(fmt).float() * scale
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """query [R, Q, heads, D], keys/values [R, L, kv_heads, D], allowed [R, Q, L] -> [R, Q, heads, D] float32."""
+    requests, queries, heads, head_size = query.shape
+    kv_heads = keys.shape[2]
+    grouped = query.float().view(requests, queries, kv_heads, heads // kv_heads, head_size)
+    scores = torch.einsum("rqkgd,rlkd->rkgql", grouped, keys) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~allowed[:, None, None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("rkgql,rlkd->rqkgd", probs, values).reshape(requests, queries, heads, head_size)
+
+
+def _allowed(query_pos: torch.Tensor, key_pos: torch.Tensor, lengths: torch.Tensor, causal: bool,
+             sliding_window: int) -> torch.Tensor:
+    """Which keys each query sees: [R, Q, 1] query positions, [1, 1, L] key positions, [R, 1, 1] sequence lengths."""
+    allowed = key_pos < lengths
+    if causal:
+        allowed = allowed & (key_pos <= query_pos)
+    if sliding_window > 0:
+        allowed = allowed & (key_pos > query_pos - sliding_window)
+    return allowed
 
 
 def attend_fp8(
@@ -105,28 +138,34 @@ def attend_fp8(
 
     `query` [tokens, heads, head_size]; a request's queries are the last
     tokens of its sequence (`seq_lens` counts the cached context and them).
+    Decode steps (one query each) are attended together, padded to the
+    longest; longer query runs (prefill) one request at a time, so padding
+    never multiplies a long prompt by the batch.
     """
-    starts = query_start_loc.tolist()
+    _check_scale("k_scale", k_scale)
+    _check_scale("v_scale", v_scale)
     block_size = key_cache.shape[2]
-    heads, kv_heads = query.shape[1], key_cache.shape[1]
-    for request, length in enumerate(seq_lens.tolist()):
-        first, last = starts[request], starts[request + 1]
-        if last == first:
-            continue
-        blocks = block_table[request, : math.ceil(length / block_size)].to(torch.long)
-        keys = _gather(key_cache, blocks, length, k_scale, fmt).repeat_interleave(heads // kv_heads, dim=1)
-        values = _gather(value_cache, blocks, length, v_scale, fmt).repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[first:last].float(), keys) * scale
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        query_pos = torch.arange(length - (last - first), length)[:, None]
-        key_pos = torch.arange(length)[None, :]
-        allowed = key_pos <= query_pos if causal else torch.ones_like(key_pos <= query_pos)
-        if sliding_window > 0:
-            allowed &= key_pos > query_pos - sliding_window
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        attended = torch.einsum("hqk,khd->qhd", probs, values)
-        output[first:last].copy_(attended.reshape(output[first:last].shape))
+    starts = query_start_loc.to(torch.long)
+    lengths = seq_lens.to(torch.long)
+    query_lens = starts[1:] - starts[:-1]
+
+    def attend(requests: torch.Tensor, queries: int) -> None:
+        longest = int(lengths[requests].max())
+        blocks = block_table[requests, : math.ceil(longest / block_size)].to(torch.long)
+        keys = _gather(key_cache, blocks, k_scale, fmt)
+        values = _gather(value_cache, blocks, v_scale, fmt)
+        tokens = starts[requests, None] + torch.arange(queries)  # [R, Q] rows of `query`
+        query_pos = (lengths[requests, None] - queries + torch.arange(queries))[..., None]
+        allowed = _allowed(query_pos, torch.arange(keys.shape[1])[None, None], lengths[requests, None, None], causal,
+                           sliding_window)
+        attended = _attend(query[tokens], keys, values, allowed, scale, softcap)
+        output.view(output.shape[0], *query.shape[1:])[tokens] = attended.to(output.dtype)
+
+    decoding = torch.nonzero(query_lens == 1).flatten()
+    if decoding.numel():
+        attend(decoding, 1)
+    for request in torch.nonzero(query_lens > 1).flatten().tolist():
+        attend(torch.tensor([request]), int(query_lens[request]))
 
 
 def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +198,8 @@ def _reference_update(original):
         _refuse_unsupported(self)
         fmt = fp8_format(self.kv_cache_dtype)
         key_cache, value_cache = _split(kv_cache)
-        store_fp8(key, key_cache, slot_mapping, layer._k_scale_float, fmt)
-        store_fp8(value, value_cache, slot_mapping, layer._v_scale_float, fmt)
+        store_fp8(key, key_cache, slot_mapping, layer._k_scale_float, fmt, "k_scale")
+        store_fp8(value, value_cache, slot_mapping, layer._v_scale_float, fmt, "v_scale")
 
     do_kv_cache_update._refit = True
     return do_kv_cache_update

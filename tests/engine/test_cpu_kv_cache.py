@@ -48,10 +48,10 @@ def test_an_unknown_cache_dtype_is_named():
 def test_attention_equals_sdpa_over_the_dequantized_cache(sliding_window):
     torch.manual_seed(0)
     fmt, k_scale, v_scale, scale = torch.float8_e4m3fn, 0.3, 0.7, HEAD_SIZE**-0.5
-    lengths, queries = [47, 70], [7, 1]  # a prefill after cached context, and a decode step
+    lengths, queries = [47, 70, 33], [7, 1, 1]  # a prefill after cached context, and two decode steps
     key_cache = torch.zeros(8, KV_HEADS, BLOCK, HEAD_SIZE, dtype=torch.uint8)
     value_cache = torch.zeros_like(key_cache)
-    block_table = torch.tensor([[5, 2, 7], [0, 6, 3]])
+    block_table = torch.tensor([[5, 2, 7], [0, 6, 3], [4, 1, 0]])  # the last row padded with block 0
     keys = [torch.randn(n, KV_HEADS, HEAD_SIZE) for n in lengths]
     values = [torch.randn(n, KV_HEADS, HEAD_SIZE) for n in lengths]
     for request, n in enumerate(lengths):
@@ -61,7 +61,7 @@ def test_attention_equals_sdpa_over_the_dequantized_cache(sliding_window):
         store_fp8(values[request], value_cache, slots, v_scale, fmt)
     query = torch.randn(sum(queries), HEADS, HEAD_SIZE)
     output = torch.empty_like(query)
-    attend_fp8(query, key_cache, value_cache, output, query_start_loc=torch.tensor([0, 7, 8]),
+    attend_fp8(query, key_cache, value_cache, output, query_start_loc=torch.tensor([0, 7, 8, 9]),
                seq_lens=torch.tensor(lengths), block_table=block_table, scale=scale, k_scale=k_scale,
                v_scale=v_scale, fmt=fmt, sliding_window=sliding_window)
 
@@ -77,3 +77,11 @@ def test_attention_equals_sdpa_over_the_dequantized_cache(sliding_window):
                                                   v.transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
         torch.testing.assert_close(output[first:first + q], expected, atol=1e-5, rtol=1e-5)
         first += q
+
+
+@pytest.mark.parametrize("k_scale", [-0.000942, 0.0, float("nan")])
+def test_a_placeholder_scale_is_refused_as_vllms_fp8_kernels_refuse_it(k_scale):
+    """A dummy load's negative scale fails generation here as on AVX-512 machines: the seed bug reproduces."""
+    cache = torch.zeros(1, KV_HEADS, BLOCK, HEAD_SIZE, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="k_scale must be positive for FP8 path"):
+        store_fp8(torch.ones(1, KV_HEADS, HEAD_SIZE), cache, torch.tensor([0]), k_scale, torch.float8_e4m3fn)

@@ -207,7 +207,7 @@ def test_two_syncers_at_once_never_share_a_version_and_one_wins(replicas, traine
 def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replicas, trainers):
     """Finding 1: the replicas that did begin kept their gate closed and blocked every call."""
     served = refit.Syncer(trainers[0], replicas, FAST).sync().version
-    long_request = replicas[0].generate.remote(make_prompts(2048, PROMPT_LEN, seed=3), 118)  # begin waits for it
+    long_request = replicas[0].generate.remote(make_prompts(256, PROMPT_LEN, seed=3), 118)  # begin waits for it (5-60 s)
     deadline = time.monotonic() + 60
     while run_in(replicas[0], requests_in_flight) == 0:  # running, so the sync's begin on replica 0 must wait
         assert time.monotonic() < deadline and not ray.wait([long_request], timeout=0)[0]
@@ -230,7 +230,7 @@ def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replic
     threading.Thread(target=interrupt_once_replica_1_has_begun, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt) as interrupt:
-            refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=60)).sync()
+            refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=120)).sync()  # covers the request
     finally:
         signal.signal(signal.SIGINT, previous)
         print(f"\ninterrupt test: sync ended at {time.monotonic() - start:.2f} s; request done then: "
