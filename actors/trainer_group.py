@@ -59,8 +59,16 @@ class TrainerRank:
 
     def setup(self, address: str, port: int, model_dir: str, *, lr: float, seed: int, reinitialize: bool,
               timeout_s: float) -> None:
-        """Join the group, then load the model (bf16) on every rank and shard it with FSDP2."""
-        from torch.distributed.fsdp import fully_shard
+        """Join the group, then load the model on every rank and shard it with FSDP2.
+
+        Mixed precision as FSDP2 does it: the shards (and the optimizer) hold
+        fp32 master weights; forward and backward run on bf16 copies, and
+        gradients are reduced in fp32. An AdamW on bf16 weights would drop every
+        update below half a bf16 ulp (most of them at RL learning rates), and the
+        dropped part would never accumulate. Syncs stream the masters cast to
+        bf16, what the forward computes with.
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoConfig, AutoModelForCausalLM
 
         mesh = init_trainer_group(self.rank, self.world_size, address, port, timeout_s)
@@ -69,13 +77,14 @@ class TrainerRank:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir)
-        model = model.to(torch.bfloat16)
+        model = model.to(torch.float32)
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mixed)
+        fully_shard(model, mesh=mesh, mp_policy=mixed)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        self.source = RankSource(model)
+        self.source = RankSource(model, wire_dtype=torch.bfloat16)
 
     # -- weight source protocol (per rank) --------------------------------------------------------------------------
     def weight_metadata(self) -> list[TensorMeta]:
@@ -146,11 +155,12 @@ class TrainerRank:
         return out[:, ids.shape[1]:].tolist()
 
     def save(self, directory: str) -> None:
-        """Write the full (unsharded) model as a bf16 checkpoint; rank 0 writes."""
+        """Write the full (unsharded) model as a bf16 checkpoint (the masters as a sync sends them); rank 0 writes."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            state = {name: value.to(torch.bfloat16) if value.is_floating_point() else value for name, value in state.items()}
             self.model.save_pretrained(directory, state_dict=state)
 
     def _sample_rss(self, baseline: int, stop: threading.Event) -> None:

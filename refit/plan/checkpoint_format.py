@@ -69,8 +69,11 @@ class CheckpointView:
     seen as they are.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, wire_dtype: torch.dtype | None = None) -> None:
+        """`wire_dtype`: the dtype floating-point parameters are reported in and sent as, when it is not
+        theirs (fp32 master weights that stream bf16, as FSDP2's mixed precision computes in bf16)."""
         self._model = model
+        self._wire_dtype = wire_dtype
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._sources: dict[str, str] = {}  # checkpoint name -> the parameter it is, or is a piece of
         self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
@@ -85,10 +88,16 @@ class CheckpointView:
         param = self._params[self._sources[name]]
         piece = self._pieces.get(name)
         if piece is None:
-            return param
-        if not param.is_contiguous():  # the offsets and strides were learnt on a contiguous probe
+            value = param
+        elif not param.is_contiguous():  # the offsets and strides were learnt on a contiguous probe
             raise PlanMismatchError(f"{self._sources[name]}: not contiguous, so refit cannot read {name} as a view of it")
-        return param.detach().as_strided(piece.shape, piece.stride, piece.offset)
+        else:
+            value = param.detach().as_strided(piece.shape, piece.stride, piece.offset)
+        return value if value.dtype == self.wire_dtype(param) else value.detach().to(self.wire_dtype(param))
+
+    def wire_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype `param`'s checkpoint tensors are sent in."""
+        return self._wire_dtype if self._wire_dtype is not None and param.is_floating_point() else param.dtype
 
     def location(self, name: str) -> tuple[torch.Tensor, _Piece | None]:
         """The parameter checkpoint tensor `name` is read from, and where in it the piece lies (None: all of it).
@@ -110,7 +119,7 @@ class CheckpointView:
         first_name: dict[int, str] = {}
         for name, param in self._params.items():
             alias_of = first_name.setdefault(id(param), name)
-            dtype = str(param.dtype).removeprefix("torch.")
+            dtype = str(self.wire_dtype(param)).removeprefix("torch.")
             if whole.get(name) == tuple(param.shape):
                 classes = tuple(c.__name__ for c in type(modules[name.rpartition(".")[0]]).__mro__)
                 self._add(TensorMeta(name, tuple(param.shape), dtype, classes, alias_of if alias_of != name else None), name)

@@ -34,9 +34,12 @@ __all__ = ["RankSource"]
 class RankSource:
     """The weight source of one rank; `model` holds this rank's shards, `group` is the trainer's process group."""
 
-    def __init__(self, model: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None, *,
+                 wire_dtype: torch.dtype | None = None) -> None:
+        """`wire_dtype`: send floating-point weights in this dtype (bf16 from fp32 master weights); each
+        rank casts its own rows, and all-gathers are made in it (half the bytes of fp32)."""
         self.model = model
-        self.view = CheckpointView(model)
+        self.view = CheckpointView(model, wire_dtype=wire_dtype)
         self.group = group
         self.rank = torch.distributed.get_rank(group)
         self.gathered_bytes = 0  # BF16 bytes this rank received from all-gathers in the last stream
@@ -115,12 +118,14 @@ class RankSource:
         param, extent = self._extent(name)
         flat = _local(param).detach().reshape(-1)
         begin = extent.offset + start * extent.row_numel - extent.shard[0]
-        return flat[begin : begin + (stop - start) * extent.row_numel].view(stop - start, *extent.shape[1:])
+        rows = flat[begin : begin + (stop - start) * extent.row_numel].view(stop - start, *extent.shape[1:])
+        return rows.to(self.view.wire_dtype(param))  # no copy unless the wire dtype differs
 
     def _gathered(self, name: str) -> torch.Tensor:
         """Checkpoint tensor `name` whole, from an all-gather of its parameter (a collective: every rank calls it)."""
         param, piece = self.view.location(name)
-        full = param.full_tensor() if _is_dtensor(param) else param.detach()
+        wire = param.detach().to(self.view.wire_dtype(param))  # a DTensor casts its local shard: the gather moves wire bytes
+        full = wire.full_tensor() if _is_dtensor(wire) else wire
         return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
 
     def _preflight(self, plan: TransferPlan) -> None:

@@ -142,3 +142,16 @@ def test_dequantizing_stacked_experts_equals_dequantizing_each():
     stacked = dequantize_fp8_block(codes, scales)
     for e in range(3):
         assert torch.equal(stacked[e], dequantize_fp8_block(codes[e], scales[e]))
+
+
+def test_fp32_master_weights_are_described_and_read_in_the_wire_dtype():
+    """A trainer holding fp32 masters (FSDP2 mixed precision) streams bf16: experts, pieces and all."""
+    model = moe_trainer().float()
+    view = CheckpointView(model, wire_dtype=torch.bfloat16)
+    assert {m.dtype for m in view.metadata()} == {"bfloat16"}
+    assert [m.name for m in view.metadata()] == [m.name for m in describe_weights(moe_trainer())]
+    reference = CheckpointView(moe_trainer())
+    for name in ("model.layers.1.mlp.experts.2.up_proj.weight", "model.embed_tokens.weight"):
+        value = view.tensor(name)
+        assert value.dtype == torch.bfloat16 and torch.equal(value, reference.tensor(name))  # bf16 -> fp32 -> bf16 is exact
+    assert CheckpointView(model).tensor("model.embed_tokens.weight").dtype == torch.float32  # no wire dtype: as held

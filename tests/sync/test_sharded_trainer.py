@@ -51,6 +51,9 @@ def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(repli
                 group.train_step(make_sequences(32, 32, seed=100 * round_ + step).tolist())
             report = syncer.sync()
             assert all(r.served_version == report.version for r in report.replicas)
+            held, sent = run_in(group.ranks[0], lambda rank: ({str(p.dtype) for p in rank.model.parameters()},
+                                                             {m.dtype for m in rank.weight_metadata()}))
+            assert (held, sent) == ({"torch.float32"}, {"bfloat16"})  # fp32 masters, bf16 on the wire
             versions.append(report.version)  # consecutive; the module's replicas may have served earlier syncs
 
             single = actors_factory.trainer(group.save(tmp_path / f"round{round_}"), node=0)
