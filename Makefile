@@ -14,7 +14,7 @@ demo: env
 
 test: env
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: env
 	$(PY) -m benchmarks.bench_alternatives
