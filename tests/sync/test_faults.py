@@ -302,11 +302,11 @@ class SlowTrainer:
 trainer = SlowTrainer.remote(%r)
 refit.Syncer(trainer, replicas, refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=%r)).sync()
 """
-DRIVER_TIMEOUT_S = 5.0
+DRIVER_TIMEOUT_S = 10.0  # its first call (weight_metadata) took over 5 s on a loaded 2-core machine
 
 
 def test_a_killed_driver_mid_stream_strands_no_replica(replicas, trainers, ray_cluster, tmp_path):
-    """The replicas close an update whose sync stopped calling, within its lease (15 s here)."""
+    """The replicas close an update whose sync stopped calling, within its lease (3 x 10 s here)."""
     import signal
     import subprocess
     import sys
