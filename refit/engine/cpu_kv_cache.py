@@ -21,8 +21,9 @@ On those CPUs only, and only for FP8 caches, this replaces two steps of
 The scales are read from the layer at every call, as vLLM's kernel reads
 them, so a stale or placeholder scale corrupts generations here exactly as it
 does on other hardware: the seed bug reproduces, and the post-refit stage is
-tested against it. Slow (one Python loop over requests per layer), which
-does not matter for the small models it serves in tests. Everywhere else
+tested against it. Slow (decode steps are batched, but prefills run one
+request at a time per layer), which does not matter for the small models it
+serves in tests. Everywhere else
 (AVX-512, AMX, other architectures, non-FP8 caches) vLLM's kernels run as
 they are.
 """
