@@ -57,6 +57,11 @@ class ReplicaShell:
         return self.replica.transport_group()
 
     @ray.method(concurrency_group="observe")
+    def base_digest(self, transport: str) -> str | None:
+        """The served version's digest, if this replica keeps it as a delta base for `transport`."""
+        return self.replica.base_digest(transport)
+
+    @ray.method(concurrency_group="observe")
     def last_update(self) -> dict | None:
         """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written."""
         return self.replica.last_update()

@@ -47,11 +47,17 @@ class TrainerActor:
     def weight_metadata(self) -> list[TensorMeta]:
         return CheckpointView(self.model).metadata()
 
-    def stream_buckets(self, plan: TransferPlan, transport: Rendezvous | str = "ray") -> Iterator[WireBucket | BucketContents]:
+    def stream_buckets(
+        self, plan: TransferPlan, transport: Rendezvous | str = "ray", delta: str = "off"
+    ) -> Iterator[WireBucket | BucketContents]:
         self._stream_seconds = 0.0
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
         buckets = produce_buckets(plan, CheckpointView(self.model).tensor)
-        yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport)
+        yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport, delta)
+
+    def base_entries(self) -> list[tuple]:
+        """What the last stream sent, for delta syncs (optional in the protocol: without it every sync is full)."""
+        return self._transport.base_entries()
 
     def join_transport(self, rendezvous: Rendezvous, rank: int) -> None:
         """Join a sync's collective group as its sender (optional in the protocol: `transport="collective"` needs it)."""

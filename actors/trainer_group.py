@@ -90,10 +90,13 @@ class TrainerRank:
     def weight_metadata(self) -> list[TensorMeta]:
         return self.source.view.metadata()
 
-    def stream_buckets(self, plan: TransferPlan, transport: Rendezvous | str = "ray") -> Iterator[WireBucket | BucketContents]:
+    def stream_buckets(
+        self, plan: TransferPlan, transport: Rendezvous | str = "ray", delta: str = "off"
+    ) -> Iterator[WireBucket | BucketContents]:
         """This rank's part of every bucket; records the stream's seconds and its peak private memory growth.
 
-        Over `collective` this rank broadcasts its parts on its own channel of the group.
+        Over `collective` this rank broadcasts its parts on its own channel of the group. With `delta`,
+        this rank diffs its own rows against the rows it sent last.
         """
         self._stream_seconds = 0.0
         baseline = private_rss_bytes()
@@ -102,10 +105,14 @@ class TrainerRank:
         sampler = threading.Thread(target=self._sample_rss, args=(baseline, stop), daemon=True)
         sampler.start()
         try:
-            yield from self._transport.send(timed(self.source.stream(plan), self._add_stream_seconds), transport)
+            yield from self._transport.send(timed(self.source.stream(plan), self._add_stream_seconds), transport, delta)
         finally:
             stop.set()
             sampler.join()
+
+    def base_entries(self) -> list[tuple]:
+        """The rows this rank sent last, for delta syncs."""
+        return self._transport.base_entries()
 
     def join_transport(self, rendezvous: Rendezvous, member: int) -> None:
         """Join a sync's collective group as sending member `member` (this rank's channel)."""

@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
     from refit.orchestration import Syncer, SyncReport, sync
     from refit.plan import (
         CheckpointView,
+        Delta,
         Pause,
         QuantizeOn,
         RolloutModelInfo,
@@ -81,6 +82,7 @@ _LAZY = {
     "QuantizeOn": "refit.plan",
     "Transport": "refit.plan",
     "Pause": "refit.plan",
+    "Delta": "refit.plan",
     "Verify": "refit.plan",
     "SyncReport": "refit.orchestration",
     "TensorMeta": "refit.plan",

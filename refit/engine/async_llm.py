@@ -122,6 +122,9 @@ class AsyncReplica:
     def last_update(self) -> dict | None:
         return self.core.last_update()
 
+    def base_digest(self, transport: str) -> str | None:
+        return self.core.base_digest(transport)
+
     async def scale_records(self) -> list[ScaleRecord]:
         """Where every scale came from (also while refusing)."""
         self.engine.loop = asyncio.get_running_loop()

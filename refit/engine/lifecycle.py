@@ -68,6 +68,8 @@ class FinishedUpdate:
     kv_scales_written: tuple[str, ...] = ()  # attention scales the post-refit stage wrote
     verification: str = "off"  # what was verified, and the probe's outcome
     probe_passed: bool | None = None  # None: no probe ran
+    bytes_received: int = 0  # bucket bytes this replica received: a delta sync's are a fraction of a full one's
+    digest: str | None = None  # of the version served, when the replica keeps it as a delta base
 
 
 @dataclass(slots=True)

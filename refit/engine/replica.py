@@ -38,13 +38,14 @@ from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
 from refit.errors import VerificationError
-from refit.plan.config import Pause, SyncConfig, Verify
+from refit.plan.config import Pause, SyncConfig, Transport, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import KvScalePolicy, ScaleRecord
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
+from refit.transport.delta import ReplicaBase
 from refit.transport.object_store import fetch_parts
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, thresholds_for
@@ -110,6 +111,11 @@ class ReplicaCore:
         self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open (or last) update
         self._last_update: dict | None = None  # what `refit inspect` shows
         self._group_id: str | None = None  # the collective group the workers joined
+        # Delta syncs (refit/transport/delta.py): the base lives where buckets become tensors, here
+        # over `ray`, in each worker over `collective`; `_digest` names the version it holds, and where.
+        self._base = ReplicaBase()
+        self._digest: tuple[str, str] | None = None  # (transport, digest) of the served version's base
+        self._workers_keep_base = False
         self._closed = threading.Event()
         threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
 
@@ -129,8 +135,15 @@ class ReplicaCore:
         return self._group_id
 
     def last_update(self) -> dict | None:
-        """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written."""
+        """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written, digest."""
         return self._last_update
+
+    def base_digest(self, transport: str) -> str | None:
+        """The digest of the version this replica serves, if it holds that version's bytes as a delta base for
+        `transport` (a sync over it may then send only what changed); None: the next sync must be full."""
+        if self._digest is None or self._digest[0] != str(transport):
+            return None
+        return self._digest[1]
 
     # -- serving ------------------------------------------------------------------------
     @contextmanager
@@ -177,10 +190,11 @@ class ReplicaCore:
                 if holds:
                     self.engine.release_requests()
                 raise
-            self._progress = {"buckets": 0, "load_seconds": 0.0}
+            self._progress = {"buckets": 0, "load_seconds": 0.0, "bytes_received": 0}
             try:
                 self.engine.pause(config.pause, config.timeout_s)
-                self.workers.start_update(plan, config.transport)
+                self._begin_base(config)
+                self.workers.start_update(plan, config.transport, keep_base=config.keeps_delta_base)
             except BaseException as error:
                 self._close(sync_id, f"starting the update failed: {error!r}")
                 raise
@@ -201,14 +215,19 @@ class ReplicaCore:
         with self._lock:
             self.lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
+            self._digest = None  # the base changes from here until the update is served
             verify = config.verify is not Verify.OFF
             try:
                 if next_bucket_bytes is not None:
                     self.lifecycle.loading(sync_id, version)
                     start = time.perf_counter()
+                    self._progress["bytes_received"] += sum(part.nbytes for part in bucket)
                     self.workers.receive(bucket, next_bucket_bytes, version, verify=verify)
                 else:
-                    tensors = loadable_tensors(plan, fetch_parts(bucket, config.timeout_s), verify=verify)
+                    parts = fetch_parts(bucket, config.timeout_s)
+                    self._progress["bytes_received"] += sum(part.nbytes for part in parts)
+                    tensors = loadable_tensors(plan, parts, verify=verify,
+                                               base=self._base if config.keeps_delta_base else None)
                     self.lifecycle.loading(sync_id, version)
                     start = time.perf_counter()
                     self.workers.load(tensors, version, verify=verify)
@@ -248,6 +267,7 @@ class ReplicaCore:
                         raise VerificationError(f"the logprob probe after the refit failed: {result}")
                 stage = "setting the engine's weight version"
                 self.engine.mark_version(version)
+                digest = self._finish_base(config)
             except BaseException as error:
                 # After the reload is finalized the model has changed, whatever the bucket count says.
                 self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)
@@ -256,8 +276,9 @@ class ReplicaCore:
             self.lifecycle.finished(sync_id, version)
             self.engine.release_requests()
             seconds = time.perf_counter() - start
-            self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome)
-            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed)
+            self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome,
+                         digest=digest)
+            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed, self._progress["bytes_received"], digest)
 
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
         """Close `sync_id`'s update if it is open; returns the status that leaves."""
@@ -269,6 +290,30 @@ class ReplicaCore:
         self._closed.set()
 
     # -- the steps' parts -----------------------------------------------------------------
+    def _begin_base(self, config: SyncConfig) -> None:
+        """Keep the base this update's transport uses (its digest still names it: the driver asks after begin), drop the other."""
+        if config.keeps_delta_base and config.transport is Transport.RAY:
+            self._base.begin()
+        else:
+            self._base.clear()
+        if not (config.keeps_delta_base and self._digest is not None and self._digest[0] == str(config.transport)):
+            self._digest = None
+        if self._workers_keep_base and config.transport is not Transport.COLLECTIVE:
+            self.workers.drop_base()  # their base is for another transport: no second copy of the model
+        self._workers_keep_base = config.keeps_delta_base and config.transport is Transport.COLLECTIVE
+
+    def _finish_base(self, config: SyncConfig) -> str | None:
+        """The served version's digest, when a base holds it (over `collective`: every worker's must agree)."""
+        if not config.keeps_delta_base:
+            return None
+        if config.transport is Transport.RAY:
+            digest = self._base.finish()
+        else:
+            digests = set(self.workers.base_digests())
+            digest = digests.pop() if len(digests) == 1 else None
+        self._digest = None if digest is None else (str(config.transport), digest)
+        return digest
+
     def _apply_kv_scales(self, policy: KvScalePolicy, calibration_prompts: Sequence[Sequence[int]], version: int) -> list[str]:
         """The post-refit stage; returns the attention scales written ("module.scale")."""
         measured = None
@@ -294,6 +339,8 @@ class ReplicaCore:
         if self.lifecycle.open_update() != sync_id:
             return self.lifecycle.status()
         self._open = None
+        self._digest = None
+        self._base.abort()  # the workers' base: their `abandon_update`
         try:
             self.workers.abandon_update()
         except BaseException as error:  # layers may be left in loadable form: never serve them
@@ -344,6 +391,9 @@ class ReplicaObservation:
 
     def transport_group(self) -> str | None:
         return self.replica.transport_group()
+
+    def base_digest(self, transport: str) -> str | None:
+        return self.replica.base_digest(transport)
 
 
 class ReplicaMethods(ReplicaObservation):

@@ -66,6 +66,7 @@ from refit.provenance import (
 from refit.provenance.tracker import is_attention_layer
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous, receive_parts
+from refit.transport.delta import ReplicaBase
 from refit.transport.ipc import open_ipc_bucket, require_cuda
 
 __all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
@@ -106,6 +107,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._reload_open = False
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
         self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
+        self.base = ReplicaBase()  # the delta base, when bytes come over the collective group (refit/transport/delta.py)
+        self._keep_base = False
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         pass
@@ -139,17 +142,23 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         for receiver in receivers:
             receiver.group.close()
 
-    def expect_plan(self, plan: TransferPlan, transport: str) -> None:
+    def expect_plan(self, plan: TransferPlan, transport: str, *, keep_base: bool = False) -> None:
         """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`.
 
         Called right after `start_weight_update`; the sync joins (or
-        re-joins) its collective group after this.
+        re-joins) its collective group after this. `keep_base`: keep what
+        arrives as the delta base, which rebuilds the deltas that arrive.
         """
         if transport == "ipc":
             require_cuda("this vLLM worker")
         for receiver in self._receivers:
             receiver.clear()
         self._plan = plan
+        self._keep_base = keep_base
+        if keep_base:
+            self.base.begin()
+        else:
+            self.base.clear()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -183,7 +192,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")
         else:
             bucket = receive_parts(self._receivers, parts, list(update_info.next_bucket_bytes))
-        tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify)
+        tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify, base=self.base if self._keep_base else None)
         # The reload holds on to tensors of a layer it has not completed (and to
         # attention scales until finish), but this buffer takes the bucket after
         # next: copy those out of it.
@@ -210,6 +219,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             )
         self._finalize()
         self._plan = None
+        if self._keep_base:
+            self.base.finish()
         self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
         if self._verify and current_platform.is_cpu():  # elsewhere kernels may keep scales in a layout of their own
             wrong = scale_mismatches(self.model, self.provenance, self._sent_scales)
@@ -223,6 +234,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
     def abandon(self) -> None:
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
         self._plan = None
+        self.base.abort()
         if self._reload_open:
             self._finalize()
         if self._update_version is not None:

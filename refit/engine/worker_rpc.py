@@ -55,11 +55,19 @@ class WorkerCalls:
     def __init__(self, call: Callable[..., list]) -> None:
         self._call = call
 
-    def start_update(self, plan: TransferPlan, transport: Transport) -> None:
-        """Put every layer in loadable form; over `collective` or `ipc`, tell the workers the plan of what arrives."""
+    def start_update(self, plan: TransferPlan, transport: Transport, *, keep_base: bool = False) -> None:
+        """Put every layer in loadable form; over `collective` or `ipc`, tell the workers the plan of what arrives
+        and whether they keep what arrives as their delta base."""
         self._call("start_weight_update")  # vLLM's own worker method, which calls the backend's
         if transport is not Transport.RAY:
-            self._call("refit_expect_plan", pickle.dumps(plan), str(transport))
+            self._call("refit_expect_plan", pickle.dumps(plan), str(transport), keep_base)
+
+    def base_digests(self) -> list[str | None]:
+        """Each worker's delta base digest (set when an update that kept one was finished)."""
+        return self._call("refit_base_digest")
+
+    def drop_base(self) -> None:
+        self._call("refit_drop_base")
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int, *, verify: bool) -> None:
         """One bucket of tensors in the form vLLM's loaders take (`ray`: they cross the RPC)."""
@@ -157,9 +165,15 @@ class RefitWorkerExtension:
     def refit_leave_group(self) -> None:
         self._refit().leave_group()
 
-    def refit_expect_plan(self, plan: bytes, transport: str) -> None:
+    def refit_expect_plan(self, plan: bytes, transport: str, keep_base: bool = False) -> None:
         """The open update's plan, pickled by the replica (the same trusted sender as every RPC here)."""
-        self._refit().expect_plan(pickle.loads(plan), transport)
+        self._refit().expect_plan(pickle.loads(plan), transport, keep_base=keep_base)
+
+    def refit_base_digest(self) -> str | None:
+        return self._refit().base.digest()
+
+    def refit_drop_base(self) -> None:
+        self._refit().base.clear()
 
     def refit_streamed(self) -> list[str]:
         return self._refit().streamed()

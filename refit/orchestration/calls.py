@@ -149,13 +149,20 @@ def summary(error: BaseException) -> str:
 class BucketStream:
     """The trainer's stream of buckets for one sync: each next bucket within a deadline, closed on every exit."""
 
-    def __init__(self, trainer: Any, plan: Any, max_in_flight: int, transport: Any = "ray", *, who: str = "the trainer") -> None:
+    def __init__(
+        self, trainer: Any, plan: Any, max_in_flight: int, transport: Any = "ray", *, who: str = "the trainer",
+        delta: str | None = None,
+    ) -> None:
+        """`delta`: the `DeltaMode` of a source that keeps a base (None for one that does not); in "both"
+        mode it yields two items per bucket, the whole one then its delta."""
         self._actor = is_actor(trainer)
         self._who = who  # "the trainer", or "trainer rank i" of a sharded one
-        args = (plan,) if transport == "ray" else (plan, transport)  # a custom source may know only the object store
+        # A custom source may know only the object store, and only whole buckets.
+        args = (plan,) if transport == "ray" and delta is None else (plan, transport)
+        args += () if delta is None else (str(delta),)
         if self._actor:
             self._gen = trainer.stream_buckets.options(
-                num_returns="streaming", _generator_backpressure_num_objects=max_in_flight
+                num_returns="streaming", _generator_backpressure_num_objects=max_in_flight * (2 if delta == "both" else 1)
             ).remote(*args)
         else:
             self._gen = iter(trainer.stream_buckets(*args))

@@ -16,6 +16,9 @@ class ReplicaReport:
     finish_seconds: float  # verification, reload finalization, post-refit stage, probe
     kv_scales_written: tuple[str, ...]
     verification: str = ""  # what was verified, and the probe's outcome
+    mode: str = "full"  # "delta": it got only what changed since the version it served
+    bytes_received: int = 0  # bucket bytes it received
+    digest: str | None = None  # of the version it serves, when it keeps that version as a delta base
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,8 @@ class SyncReport:
     probe_breached: bool = False  # the probe breached its thresholds somewhere and `on_probe_breach="flag"`
     startup_seconds: float = 0.0  # waiting for trainer ranks and replicas to be constructed (the Syncer's first call only)
     dropped: tuple[DroppedReplica, ...] = ()  # replicas lost during the sync; `replicas` are the ones that serve it
-    attempts: int = 1  # more than one: a replica lost mid-broadcast broke the collective group, and the survivors began again
+    attempts: int = 1  # more than one: a replica lost mid-broadcast broke the collective group, or a delta base failed, and the survivors began again
+    digest: str | None = None  # of the version the trainer sent (per-tensor CRC-32s, combined), with delta syncs on
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,13 +68,14 @@ class SyncReport:
         ]
         lines += [
             f"  replica {r.replica} on {r.node_id[:8]}: load {r.load_seconds:.3f} s, finish {r.finish_seconds:.3f} s, "
-            f"serves v{r.served_version}, {len(r.kv_scales_written)} KV scales written"
+            f"serves v{r.served_version} ({r.mode}, {r.bytes_received / 2**20:.2f} MiB received), "
+            f"{len(r.kv_scales_written)} KV scales written"
             + (f"; verified: {r.verification}" if r.verification else "")
             for r in self.replicas
         ]
         lines += [f"  dropped {d}" for d in self.dropped]
         if self.attempts > 1:
-            lines.append(f"  the survivors began again {self.attempts - 1} time(s) in a new collective group")
+            lines.append(f"  the survivors began again {self.attempts - 1} time(s)")
         if self.probe_breached:
             lines.append("  WARNING: the logprob probe breached its thresholds (on_probe_breach='flag')")
         return "\n".join(lines)

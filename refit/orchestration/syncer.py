@@ -83,6 +83,7 @@ from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 from refit.transport.collective import Rendezvous, RendezvousHost
+from refit.transport.delta import BaseMismatchError, DeltaMode, version_digest
 from refit.transport.ipc import IpcTransport
 from refit.verification.probe import ProbeRequest, probe_prompts
 
@@ -288,15 +289,20 @@ class Syncer:
             sync_id = uuid.uuid4().hex[:12]
             try:
                 try:
-                    version, load_seconds, finished = self._attempt(plan, sync_id, roll, stages)
+                    version, load_seconds, finished, modes = self._attempt(plan, sync_id, roll, stages)
                     break
                 except Exception as error:
                     lost = self._lost_with_the_group(error, roll)
                     if not lost:
-                        raise
+                        if not (isinstance(error, BaseMismatchError) and attempts == 1):
+                            raise
+                        # A replica's base was not what its digest said: it dropped it, and the trainer's base has
+                        # moved on, so every replica's next attempt is a full sync.
+                        self._begin_again(sync_id, roll, error, "a replica's delta base did not rebuild the sender's bytes")
+                        continue
                     roll.drop(lost, sync_id)
                     roll.check_quorum()
-                    self._begin_again(sync_id, roll, error)
+                    self._begin_again(sync_id, roll, error, "the collective group broke")
             except BaseException as error:
                 cause = self._failed(sync_id, error, roll)
                 if cause is error:
@@ -313,6 +319,11 @@ class Syncer:
         wrong = [f"{who}: {f!r}" for who, f in finished.items() if not isinstance(f, FinishedUpdate)]
         if wrong:
             raise EngineError("finish_update must return a refit.engine.lifecycle.FinishedUpdate:\n  " + "\n  ".join(wrong))
+        digest = self._sender_digest() if self.config.keeps_delta_base and self._sources_keep_bases() else None
+        unequal = [who for who, f in finished.items() if digest is not None and f.digest not in (None, digest)]
+        if unequal:
+            log.warning("sync %s v%d: %s hold(s) a version whose digest differs from the trainer's %s; their next sync is "
+                        "a full one", sync_id, version, ", ".join(unequal), digest)
         nodes = self._node_ids(roll.members)
         report = SyncReport(
             version=version,
@@ -324,7 +335,7 @@ class Syncer:
             total_seconds=time.perf_counter() - start,
             replicas=tuple(
                 ReplicaReport(replica_id(who), nodes[who], version, load_seconds.get(who, 0.0), f.seconds,
-                              f.kv_scales_written, f.verification)
+                              f.kv_scales_written, f.verification, modes.get(who, "full"), f.bytes_received, f.digest)
                 for who, f in finished.items()
             ),
             begin_seconds=stages["begin"],
@@ -334,6 +345,7 @@ class Syncer:
             startup_seconds=startup_seconds,
             dropped=tuple(roll.dropped),
             attempts=attempts,
+            digest=digest,
         )
         if report.probe_breached:
             log.warning("sync %s v%d: the logprob probe breached its thresholds (flagged, not failed)", sync_id, version)
@@ -342,8 +354,8 @@ class Syncer:
 
     def _attempt(
         self, plan: TransferPlan, sync_id: str, roll: Roll, stages: dict[str, float]
-    ) -> tuple[int, dict[str, float], dict[str, FinishedUpdate]]:
-        """Begin, stream and finish on the roll's members; returns the version, each one's load seconds and finish.
+    ) -> tuple[int, dict[str, float], dict[str, FinishedUpdate], dict[str, str]]:
+        """Begin, stream and finish on the roll's members; returns the version, each one's load seconds, finish and mode.
 
         Members lost on the way are dropped from `roll`, except mid-broadcast
         over `collective` (`GroupBroken`: every member must begin again).
@@ -356,10 +368,11 @@ class Syncer:
         # After begin: a rival sync refused by the replicas never gets to take the trainer into its group.
         roll.stage = "connect"
         transport = self._connect(sync_id, roll.members)
+        stream_mode, modes = self._delta_modes(roll)
         stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
-        log.debug("sync %s v%d: began on %d replica(s)", sync_id, version, len(roll.members))
+        log.debug("sync %s v%d: began on %d replica(s) (%s)", sync_id, version, len(roll.members), stream_mode)
         roll.stage = "stream"
-        load_seconds = self._stream(plan, sync_id, version, transport, roll)
+        load_seconds = self._stream(plan, sync_id, version, transport, roll, stream_mode, modes)
         stages["stream"], stage = time.perf_counter() - stage, time.perf_counter()
         log.debug("sync %s v%d: streamed %d bucket(s), %.1f MiB per replica", sync_id, version, len(plan.buckets),
                   plan.wire_bytes / 2**20)
@@ -367,10 +380,10 @@ class Syncer:
         roll.stage = "finish"
         finished = roll.settle(call_all(roll.members, "finish_update", sync_id, version, *probe, timeout_s=timeout), sync_id)
         stages["finish"] = time.perf_counter() - stage
-        return version, load_seconds, finished
+        return version, load_seconds, finished, modes
 
     def _stream(self, plan: TransferPlan, sync_id: str, version: int, transport: Rendezvous | IpcTransport | str,
-                roll: Roll) -> dict[str, float]:
+                roll: Roll, delta: DeltaMode | None, modes: dict[str, str]) -> dict[str, float]:
         """Hand each bucket to every member as it is produced; bounded in flight, every wait bounded; load seconds by name.
 
         Over `collective` and `ipc` the driver reads each bucket's contents
@@ -399,10 +412,12 @@ class Syncer:
         def ended_early(parts: list[Any]) -> PlanMismatchError:
             while in_flight:  # a trainer that failed ended its stream: the loads raise its error first
                 wait_oldest()
-            ended = [who for (who, _), part in zip(self._sources, parts) if part is None]
+            ended = sorted({who for (who, _), part in zip(self._sources * 2, parts) if part is None})
             return PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(plan.buckets)} buckets")
 
-        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport, who=who) for who, source in self._sources]
+        streams = [BucketStream(source, plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
+                   for who, source in self._sources]
+        by_mode = {mode: [(who, r) for who, r in roll.members if modes.get(who, "full") == mode] for mode in ("full", "delta")}
         progress = _progress_bar(self.config.progress, len(plan.buckets), f"refit sync v{version}", unit="bucket")
         try:
             upcoming = [stream.next(timeout, fetch=True) for stream in streams] if by_contents else []
@@ -410,15 +425,21 @@ class Syncer:
                 if by_contents:  # each rank's contents of this bucket, and of the one after
                     parts = upcoming
                     upcoming = [stream.next(timeout, fetch=True) for stream in streams] if index + 1 < len(plan.buckets) else []
+                    delta_parts = parts
                 else:
                     parts = [stream.next(timeout) for stream in streams]  # one part per rank (one rank: the bucket)
-                if any(part is None for part in parts):
-                    raise ended_early(parts)
-                if by_contents:
-                    args = (parts, [None if part is None else part.nbytes for part in upcoming or [None] * len(parts)])
-                else:
-                    args = (parts[0] if len(parts) == 1 else [ref for part in parts for ref in _as_list(part)],)
-                in_flight.append(submit_all(roll.members, "load_bucket", sync_id, version, *args))
+                    # In "both" mode each rank yields the whole part, then its delta.
+                    delta_parts = [stream.next(timeout) for stream in streams] if delta is DeltaMode.BOTH else parts
+                if any(part is None for part in parts + delta_parts):
+                    raise ended_early(parts + delta_parts)
+                submitted = []
+                for members, sent in ((by_mode["full"], parts), (by_mode["delta"], delta_parts)):
+                    if by_contents:
+                        args = (sent, [None if part is None else part.nbytes for part in upcoming or [None] * len(sent)])
+                    else:
+                        args = (sent[0] if len(sent) == 1 else [ref for part in sent for ref in _as_list(part)],)
+                    submitted += submit_all([(who, r) for who, r in members if roll.has(who)], "load_bucket", sync_id, version, *args)
+                in_flight.append(submitted)
                 while len(in_flight) >= self.config.max_buckets_in_flight:
                     wait_oldest()
             while in_flight:
@@ -450,21 +471,58 @@ class Syncer:
             return []
         return [(d.who, "died", d) for d in dead]
 
-    def _begin_again(self, sync_id: str, roll: Roll, error: BaseException) -> None:
-        """After the group broke: close the survivors' updates and the group, so the next attempt begins afresh.
+    def _begin_again(self, sync_id: str, roll: Roll, error: BaseException, why: str) -> None:
+        """After the group broke (or a delta base failed): close the survivors' updates and the group, so the
+        next attempt begins afresh.
 
         Each survivor may still be waiting for a broadcast that never comes
         (up to the group's deadline, `timeout_s`) before it takes the abort:
         the abort's deadline is twice that. The next attempt's version is
         above this one's, and nobody served this one: versions never mix.
         """
-        log.warning("sync %s: the collective group broke (%s); %d replica(s) begin again in a new group",
-                    sync_id, summary(error), len(roll.members))
-        reason = f"sync {sync_id} lost a member of its collective group ({summary(error)}); beginning again in a new one"
+        log.warning("sync %s: %s (%s); %d replica(s) begin again", sync_id, why, summary(error), len(roll.members))
+        reason = f"sync {sync_id}: {why} ({summary(error)}); beginning again"
         outcomes = call_all(roll.members, "abort_update", sync_id, reason, timeout_s=2 * self.config.timeout_s)
         roll.drop([(o.who, how, o.error) for o in outcomes if (how := loss(o))], sync_id)
         roll.check_quorum()
         self._disconnect(roll.members)
+
+    # -- delta syncs (refit/transport/delta.py) ------------------------------------
+    def _delta_modes(self, roll: Roll) -> tuple[DeltaMode | None, dict[str, str]]:
+        """What the trainer streams, and which replicas get deltas: those whose base digest is the trainer's.
+
+        A source without `base_entries` (a custom trainer) is streamed as
+        before (None), and every replica gets everything. Over `collective`
+        one broadcast reaches every replica, so a fleet that differs gets
+        whole buckets; over `ray` each replica fetches the kind it needs.
+        """
+        if not self._sources_keep_bases():
+            return None, {}
+        if not self.config.keeps_delta_base:
+            return DeltaMode.OFF, {}
+        digest = self._sender_digest()
+        transport = str(self.config.transport)
+        askable = [(who, r) for who, r in roll.members if has_method(r, "base_digest")]
+        held = {o.who: o.value for o in call_all(askable, "base_digest", transport, timeout_s=self.config.timeout_s) if o.ok}
+        modes = {who: "delta" if digest is not None and held.get(who) == digest else "full" for who, _ in roll.members}
+        if all(mode == "full" for mode in modes.values()):
+            return DeltaMode.FULL, modes
+        if all(mode == "delta" for mode in modes.values()):
+            return DeltaMode.DELTA, modes
+        if self.config.transport is Transport.RAY:
+            return DeltaMode.BOTH, modes
+        log.info("delta sync: %s hold(s) another version than the trainer's last; over one broadcast every replica "
+                 "gets whole buckets", ", ".join(who for who, mode in modes.items() if mode == "full"))
+        return DeltaMode.FULL, dict.fromkeys(modes, "full")
+
+    def _sources_keep_bases(self) -> bool:
+        return all(has_method(source, "base_entries") for _, source in self._sources)
+
+    def _sender_digest(self) -> str | None:
+        """The digest of what the trainer's ranks last streamed (None before their first stream)."""
+        entries = raise_first_error(call_all(self._sources, "base_entries", timeout_s=self.config.timeout_s))
+        merged = [tuple(entry[:3]) + (tuple(entry[3]),) + tuple(entry[4:]) for rank in entries for entry in rank]
+        return version_digest(merged) if merged else None
 
     # -- the collective group ---------------------------------------------------
     def _connect(self, sync_id: str, members: list[tuple[str, Any]]) -> Rendezvous | IpcTransport | str:

@@ -16,7 +16,7 @@ from refit.errors import ConfigError, InvalidTensorError
 from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
 
-__all__ = ["Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
+__all__ = ["Delta", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
 
 class Verify(StrEnum):
@@ -47,6 +47,13 @@ class Pause(StrEnum):
 
     WAIT = "wait"  # let them finish on the old weights, then update
     ABORT = "abort"  # end them now, marked aborted, then update
+
+
+class Delta(StrEnum):
+    """Whether a sync may send a replica only what changed since the version it serves (refit/transport/delta.py)."""
+
+    AUTO = "auto"  # a delta to every replica whose base is the sender's, a full sync to the others
+    OFF = "off"  # every byte, every sync; no base kept on either side
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +89,12 @@ class SyncConfig:
     """`"ray"` (default; the engine core must run in the rollout actor's process), `"collective"`
     (a broadcast group straight into the workers; any engine process layout), or `"ipc"` (CUDA only,
     trainer and rollout on one GPU). One per Syncer: a sequence naming several is refused."""
+
+    delta: Delta = Delta.AUTO
+    """`"auto"`: send each replica whose last version is the trainer's last one (equal digests) only
+    the FP8 codes, scales and bf16 elements that changed, and the others everything; `"off"`: always
+    everything. Deltas need `quantize_on="trainer"` and the `ray` or `collective` transport; with
+    `"auto"` both ends keep the last version's wire bytes (about 1 byte per FP8 weight)."""
 
     pause: Pause = Pause.WAIT
     """`"wait"`: requests in flight finish on the old weights before an update; `"abort"`: they end
@@ -121,6 +134,17 @@ class SyncConfig:
         """
         return 3 * self.timeout_s
 
+    @property
+    def keeps_delta_base(self) -> bool:
+        """Whether senders and replicas keep the last version's bytes, so the next sync may be a delta.
+
+        Not for bf16 on the wire (`quantize_on="rollout"`): that base would
+        be a second bf16 copy of the model on each side. Not over `ipc`,
+        where trainer and rollout share one GPU and there is no wire to save.
+        """
+        return (self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER
+                and self.transport in (Transport.RAY, Transport.COLLECTIVE))
+
     def __post_init__(self) -> None:
         problems: list[str] = []
         if isinstance(self.transport, (list, tuple, set)):
@@ -132,7 +156,7 @@ class SyncConfig:
                 )
             object.__setattr__(self, "transport", kinds[0] if kinds else None)
         for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy), ("verify", Verify),
-                           ("transport", Transport), ("pause", Pause)):
+                           ("transport", Transport), ("pause", Pause), ("delta", Delta)):
             try:
                 object.__setattr__(self, name, coerce_enum(enum, getattr(self, name), name))
             except ConfigError as error:

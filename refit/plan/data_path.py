@@ -17,8 +17,9 @@ from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block
-from refit.transport.buckets import BucketWriter, WireBucket
+from refit.transport.buckets import BucketWriter, WireBucket, WireTensor
 from refit.transport.checksums import crc32
+from refit.transport.delta import ReplicaBase
 
 __all__ = ["loadable_tensors", "produce_buckets"]
 
@@ -57,22 +58,30 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
 
 
 def loadable_tensors(
-    plan: TransferPlan, parts: WireBucket | Sequence[WireBucket], *, verify: bool = True
+    plan: TransferPlan, parts: WireBucket | Sequence[WireBucket], *, verify: bool = True, base: ReplicaBase | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     """A bucket as the tensors vLLM's loaders take (quantized here if the plan says so).
 
     `parts`: the bucket from one trainer, or one part from each rank of a
     sharded trainer, whose row slices are put back together here. `verify`:
     check every tensor's bytes against the CRC-32 its sender computed.
+    `base`: the replica's copy of what it serves, which rebuilds delta
+    entries (and keeps every whole one) before anything else sees them.
     """
     parts = [parts] if isinstance(parts, WireBucket) else list(parts)
     index = {part.index for part in parts}
     if len(index) != 1:
         raise PlanMismatchError(f"parts of different buckets {sorted(index)} arrived as one; the ranks disagree on the plan")
-    planned = {t.target: t for t in plan.buckets[index.pop()]}
+    bucket = index.pop()
+    planned = {t.target: t for t in plan.buckets[bucket]}
+    rows = [row for part in parts for row in part.unpack_rows()]
     if verify:
-        _check_checksums(parts)
-    tensors = _assemble(parts)
+        _check_checksums(bucket, rows)
+    if base is not None:
+        rows = base.rebuild(rows)
+    elif deltas := [entry.name for entry, _ in rows if entry.changed is not None]:
+        raise PlanMismatchError(f"bucket {bucket}: deltas arrived ({', '.join(deltas[:4])}), but this replica keeps no base for this sync")
+    tensors = _assemble(rows)
     wrong = [f"{name}: {tuple(value.shape)} arrived, the plan has {planned[name].shape}"
              for name, value in tensors if name in planned and tuple(value.shape) != planned[name].shape]
     if wrong:
@@ -85,22 +94,22 @@ def loadable_tensors(
     return out
 
 
-def _check_checksums(parts: list[WireBucket]) -> None:
-    altered = [entry.name for part in parts for entry, tensor in part.unpack_rows()
-               if entry.crc32 is not None and crc32(tensor) != entry.crc32]
+def _check_checksums(bucket: int, rows: list[tuple[WireTensor, torch.Tensor]]) -> None:
+    """Whole entries' bytes against their sender's CRC-32 (a delta's is its rebuilt tensor's: checked when rebuilt)."""
+    altered = [entry.name for entry, tensor in rows
+               if entry.crc32 is not None and entry.changed is None and crc32(tensor) != entry.crc32]
     if altered:
         raise VerificationError(
-            f"bucket {parts[0].index} arrived altered (CRC-32 differs from the sender's) in: {', '.join(altered)}; "
+            f"bucket {bucket} arrived altered (CRC-32 differs from the sender's) in: {', '.join(altered)}; "
             "nothing of it was loaded"
         )
 
 
-def _assemble(parts: list[WireBucket]) -> list[tuple[str, torch.Tensor]]:
+def _assemble(rows: list[tuple[WireTensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Every tensor whole: row slices from several parts concatenated in row order, checked to tile its rows."""
     slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for part in parts:
-        for entry, tensor in part.unpack_rows():
-            slices.setdefault(entry.name, []).append((entry.row_offset, tensor))
+    for entry, tensor in rows:
+        slices.setdefault(entry.name, []).append((entry.row_offset, tensor))
     whole = []
     for name, pieces in slices.items():
         pieces.sort(key=lambda piece: piece[0])

@@ -21,7 +21,7 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.checksums import crc32
 
-__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "pack_bucket"]
+__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "assemble_bucket", "element_view", "pack_bucket"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -45,6 +45,7 @@ class WireTensor:
     nbytes: int
     row_offset: int = 0
     crc32: int | None = None  # of the bytes, computed by the sender while packing
+    changed: int | None = None  # a delta of this many elements (refit.transport.delta), whose crc32 is the rebuilt tensor's
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ class BucketContents:
     @classmethod
     def from_plain(cls, plain: tuple | list) -> BucketContents:
         index, tensors, nbytes, ipc_handle = plain
-        return cls(index, tuple(WireTensor(n, d, tuple(s), o, b, r, c) for n, d, s, o, b, r, c in tensors), nbytes, ipc_handle)
+        return cls(index, tuple(WireTensor(n, d, tuple(s), o, b, r, c, x) for n, d, s, o, b, r, c, x in tensors), nbytes, ipc_handle)
 
     def with_bytes(self, buffer: np.ndarray | torch.Tensor) -> WireBucket:
         """The whole bucket, once its bytes have arrived in `buffer` (a host array or a uint8 tensor on any device)."""
@@ -99,9 +100,10 @@ class WireBucket:
         return [(t.name, tensor) for t, tensor in self.unpack_rows()]
 
     def unpack_rows(self) -> list[tuple[WireTensor, torch.Tensor]]:
-        """Each table entry (with its row offset) and its view into the buffer."""
+        """Each table entry (with its row offset) and its view into the buffer; a delta entry's as raw bytes."""
         flat = _as_tensor(self.buffer)
-        return [(t, flat[t.offset : t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape)) for t in self.tensors]
+        return [(t, raw if t.changed is not None else raw.view(_DTYPES[t.dtype]).reshape(t.shape))
+                for t in self.tensors for raw in (flat[t.offset : t.offset + t.nbytes],)]
 
 
 class BucketWriter:
@@ -163,6 +165,27 @@ def pack_bucket(
         writer.slot(i).copy_(tensor)
         writer.seal(i)
     return writer.finish()
+
+
+def assemble_bucket(index: int, items: Iterable[tuple[WireTensor, torch.Tensor]]) -> WireBucket:
+    """A bucket of entries whose bytes exist already (a delta's payloads); each entry's offset and size are set here."""
+    items = [(entry, tensor.contiguous().view(-1).view(torch.uint8)) for entry, tensor in items]
+    offsets, offset = [], 0
+    for _, raw in items:
+        offsets.append(offset)
+        offset += -(-raw.numel() // _ALIGN) * _ALIGN
+    buffer = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    table = []
+    for (entry, raw), start in zip(items, offsets):
+        flat[start : start + raw.numel()] = raw
+        table.append(dataclasses.replace(entry, offset=start, nbytes=raw.numel()))
+    return WireBucket(index, tuple(table), buffer)
+
+
+def element_view(dtype: str) -> torch.dtype:
+    """The torch dtype a bucket names as `dtype`."""
+    return _DTYPES[dtype]
 
 
 def _as_tensor(buffer: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 `actors.TrainerActor` (or any weight source) keeps one `TransportSender`,
 exposes `join`/`leave`/`group_id` as `join_transport`/`leave_transport`/
 `transport_group`, and passes its buckets through `send` in
-`stream_buckets(plan, transport)`. That keeps the protocol's knowledge of
-transports here, not in each trainer.
+`stream_buckets(plan, transport, delta)`. That keeps the protocol's knowledge of
+transports here, not in each trainer. It also keeps the sender's delta base
+(refit/transport/delta.py): `base_entries` is the trainer's `base_entries`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from refit.errors import TransportError
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketSender, CollectiveGroup, Rendezvous
+from refit.transport.delta import DeltaMode, SenderBase
 from refit.transport.ipc import IpcSender, IpcTransport
 
 __all__ = ["TransportSender"]
@@ -22,6 +24,7 @@ __all__ = ["TransportSender"]
 class TransportSender:
     def __init__(self) -> None:
         self._group: CollectiveGroup | None = None
+        self._base = SenderBase()
 
     def join(self, rendezvous: Rendezvous, member: int) -> None:
         """Join a collective group as sending `member` (leaving any earlier group); blocks until every member has joined."""
@@ -38,10 +41,19 @@ class TransportSender:
     def group_id(self) -> str | None:
         return None if self._group is None else self._group.rendezvous.group_id
 
+    def base_entries(self) -> list[tuple[str, int, str, tuple[int, ...], int]]:
+        """What the last stream sent, entry by entry, for the version digest a delta is made against."""
+        return self._base.entries()
+
     def send(
-        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str
+        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str, delta: DeltaMode | str = DeltaMode.OFF
     ) -> Iterable[WireBucket] | Iterator[BucketContents]:
-        """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way."""
+        """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way.
+
+        `delta` (the Syncer's choice): whole buckets, their deltas against
+        the last stream's, or both; every whole bucket becomes the new base.
+        """
+        buckets = self._base.stream(buckets, DeltaMode(delta))
         if transport == "ray":
             return buckets
         if isinstance(transport, IpcTransport):

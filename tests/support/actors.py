@@ -116,3 +116,11 @@ def buckets_loaded(rollout) -> int:
     replica = rollout.replica
     with replica._lock:  # begin opens the update before it resets the count: never read the last update's
         return replica._progress["buckets"] if replica.lifecycle.open_update() is not None else -1
+
+
+def alter_delta_base(rollout) -> str:
+    """Flip one byte of the first tensor a rollout keeps as its delta base (over `ray`); returns the tensor's name."""
+    entries = rollout.replica._base._entries
+    (name, _), (_, stored) = next(iter(entries.items()))
+    stored[0] ^= 0xFF
+    return name

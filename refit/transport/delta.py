@@ -1,0 +1,228 @@
+"""Delta syncs: send only the elements whose bytes changed since the version a replica serves.
+
+Why in the wire (FP8) domain: between two RL steps at the learning rates RL
+uses (1e-6 to 1e-5), 2-25% of bf16 elements change, but only 0.2-3% of the
+FP8 codes and of their block scales do, since most updates are smaller than
+an FP8 step. The wire bytes are what a sync moves, so they are what is
+diffed, whatever produced them.
+
+Both ends keep a *base*: the exact wire bytes of the last version, per
+entry `(name, row_offset)` (a rank of a sharded trainer keeps its own rows).
+The sender's base is the buckets it last produced: 1 byte per FP8 weight plus
+its scales, 2 per parameter of a tensor that travels in bf16 (embeddings,
+norms); `quantize_on="rollout"`, which sends every weight in bf16, turns
+deltas off rather than keep a second bf16 model. The replica's is a copy of
+what it last loaded, which it patches in place.
+
+A version is named by its digest: the CRC-32 of every entry's bytes (the
+checksums a sender computes while packing anyway), combined over the model
+(`version_digest`). The Syncer sends a replica a delta only when its base's
+digest equals the sender's; the replica checks every rebuilt tensor's CRC-32
+against the sender's before loading it, so a base that differs in any
+entry (altered, or from another trainer) fails the bucket instead of
+serving a mix.
+
+Encoding of one entry (`WireTensor.changed` = n, the number of changed
+elements): one int32 count of changed elements per chunk of 65536, then the
+new elements (the entry's dtype), then the low 16 bits of each position
+(int16), each part padded to 8 bytes so every view is aligned. 2 + itemsize bytes
+per changed element: 3 for FP8 codes. An entry whose delta would not be
+smaller travels whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from enum import StrEnum
+
+import torch
+
+from refit.errors import VerificationError
+from refit.transport.buckets import WireBucket, WireTensor, assemble_bucket, element_view
+from refit.transport.checksums import crc32
+
+__all__ = ["BaseMismatchError", "DeltaMode", "ReplicaBase", "SenderBase", "version_digest"]
+
+_CHUNK_BITS = 16  # positions are chunk index (counted) + 16-bit offset in the chunk
+
+Row = tuple[WireTensor, torch.Tensor]
+
+
+class DeltaMode(StrEnum):
+    """What a sender streams in one sync (the Syncer decides, from the bases' digests)."""
+
+    OFF = "off"  # whole buckets, and keep no base (`SyncConfig(delta="off")`, or bf16 on the wire)
+    FULL = "full"  # whole buckets; keep them as the base for the next sync
+    DELTA = "delta"  # delta buckets against the base
+    BOTH = "both"  # per bucket, the whole one then the delta one (replicas differ; over `ray` only)
+
+
+class BaseMismatchError(VerificationError):
+    """A rebuilt tensor's bytes differ from the sender's: this replica's base is not the one the delta was made against."""
+
+
+def version_digest(entries: Iterable[tuple[str, int, str, tuple[int, ...], int]]) -> str:
+    """The digest of a version: its entries `(name, row_offset, dtype, shape, crc32)`, in any order."""
+    text = "\n".join(f"{name}|{row}|{dtype}|{list(shape)}|{crc:08x}" for name, row, dtype, shape, crc in sorted(entries))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _describe(entry: WireTensor) -> tuple[str, int, str, tuple[int, ...], int]:
+    return (entry.name, entry.row_offset, entry.dtype, entry.shape, entry.crc32)
+
+
+class SenderBase:
+    """The sender's end: keeps the last buckets it produced and turns new ones into delta buckets."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int], Row] = {}  # views into the last buckets' buffers
+
+    def entries(self) -> list[tuple[str, int, str, tuple[int, ...], int]]:
+        """What the base holds, for `version_digest` (the Syncer merges a sharded trainer's ranks)."""
+        return sorted(_describe(entry) for entry, _ in self._entries.values())
+
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry, _ in self._entries.values())
+
+    def stream(self, buckets: Iterable[WireBucket], mode: DeltaMode) -> Iterator[WireBucket]:
+        """`buckets` as `mode` sends them; every whole bucket becomes the base, even when only its delta is sent."""
+        mode = DeltaMode(mode)
+        if mode is DeltaMode.OFF:
+            self._entries.clear()
+            yield from buckets
+            return
+        for bucket in buckets:
+            delta = self._delta(bucket) if mode in (DeltaMode.DELTA, DeltaMode.BOTH) else None
+            for row in bucket.unpack_rows():
+                self._entries[(row[0].name, row[0].row_offset)] = (row[0], _as_bytes(row[1]))
+            if mode is not DeltaMode.DELTA:
+                yield bucket
+            if delta is not None:
+                yield delta
+
+    def _delta(self, bucket: WireBucket) -> WireBucket:
+        items: list[tuple[WireTensor, torch.Tensor]] = []
+        for entry, tensor in bucket.unpack_rows():
+            new = _as_bytes(tensor)
+            base = self._entries.get((entry.name, entry.row_offset))
+            payload = None
+            if base is not None and (base[0].dtype, base[0].shape) == (entry.dtype, entry.shape):
+                payload = _encode(new, base[1], entry.dtype)
+            items.append((entry, new) if payload is None else (dataclasses.replace(entry, changed=payload[0]), payload[1]))
+        return assemble_bucket(bucket.index, items)
+
+
+class ReplicaBase:
+    """The replica's end: a copy of the bytes it serves, patched by deltas; committed only by a finished update."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int], Row] = {}
+        self._digest: str | None = None  # None: no whole, served version is held
+        self._changed = False  # by the open update
+
+    def digest(self) -> str | None:
+        """The digest of the version this base holds, or None if it holds none (new, or after a failed update)."""
+        return self._digest
+
+    def nbytes(self) -> int:
+        return sum(int(tensor.numel()) for _, tensor in self._entries.values())
+
+    def begin(self) -> None:
+        self._changed = False
+
+    def rebuild(self, rows: Sequence[Row]) -> list[Row]:
+        """Every row whole: a delta applied to the base (and checked), a whole one copied into it."""
+        self._changed, self._digest = True, None
+        out = []
+        for entry, tensor in rows:
+            key = (entry.name, entry.row_offset)
+            if entry.changed is None:
+                stored = _as_bytes(tensor).clone()
+            else:
+                base = self._entries.get(key)
+                if base is None or (base[0].dtype, base[0].shape) != (entry.dtype, entry.shape):
+                    raise BaseMismatchError(
+                        f"{entry.name}: a delta arrived for a tensor this replica's base does not hold as "
+                        f"{entry.dtype} {list(entry.shape)}; it needs a full sync"
+                    )
+                stored = base[1]
+                _apply(stored, _as_bytes(tensor), entry)
+                if crc32(stored) != entry.crc32:
+                    raise BaseMismatchError(
+                        f"{entry.name}: rebuilt from this replica's base and the delta, its bytes differ from the "
+                        "sender's (CRC-32); the base was altered or is not the version the delta was made against. "
+                        "Nothing of this bucket was loaded; the base is dropped, so the next sync is a full one"
+                    )
+            whole = dataclasses.replace(entry, changed=None, nbytes=stored.numel())
+            self._entries[key] = (whole, stored)
+            out.append((whole, stored.view(element_view(entry.dtype)).view(entry.shape)))
+        return out
+
+    def finish(self) -> str:
+        """The update is served: the base now holds its version."""
+        self._digest = version_digest(_describe(entry) for entry, _ in self._entries.values())
+        return self._digest
+
+    def abort(self) -> None:
+        """The update failed: a base it changed holds no version any more."""
+        if self._changed:
+            self.clear()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._digest, self._changed = None, False
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _elements(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Bytes as integers of the element's width: equal bytes <=> equal integers, NaN or not."""
+    width = element_view(dtype).itemsize
+    return raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+
+
+def _round8(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _layout(numel: int, changed: int, width: int) -> tuple[int, int, int]:
+    """Byte offsets of the values and the low positions, and the payload's size."""
+    chunks = -(-numel // (1 << _CHUNK_BITS))
+    values = _round8(4 * chunks)
+    low = values + _round8(width * changed)
+    return values, low, low + 2 * changed
+
+
+def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torch.Tensor] | None:
+    """(changed elements, payload bytes), or None when the whole entry is no larger."""
+    new_e, old_e = _elements(new, dtype), _elements(old, dtype)
+    positions = (new_e != old_e).nonzero().view(-1)
+    values_at, low_at, size = _layout(new_e.numel(), positions.numel(), new_e.element_size())
+    if size >= new.numel():
+        return None
+    payload = torch.zeros(size, dtype=torch.uint8)
+    chunks = -(-new_e.numel() // (1 << _CHUNK_BITS))
+    payload[:values_at].view(torch.int32)[:chunks] = torch.bincount(positions >> _CHUNK_BITS, minlength=chunks).to(torch.int32)
+    payload[values_at:low_at].view(new_e.dtype)[: positions.numel()] = new_e[positions]
+    payload[low_at:].view(torch.int16)[:] = (positions & 0xFFFF).to(torch.int32).to(torch.int16)  # the low 16 bits, wrapped
+    return positions.numel(), payload
+
+
+def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> None:
+    """Write a delta's elements into the base entry `stored`, in place."""
+    stored_e = _elements(stored, entry.dtype)
+    n, numel = entry.changed, stored_e.numel()
+    values_at, low_at, size = _layout(numel, n, stored_e.element_size())
+    if payload.numel() != size:
+        raise BaseMismatchError(f"{entry.name}: a delta of {payload.numel()} bytes cannot hold {n} changed elements")
+    chunks = -(-numel // (1 << _CHUNK_BITS))
+    counts = payload[:values_at].view(torch.int32)[:chunks].to(torch.int64)
+    if int(counts.sum()) != n:
+        raise BaseMismatchError(f"{entry.name}: a delta's position counts do not add up to its {n} changed elements")
+    low = payload[low_at:].view(torch.int16).to(torch.int64) & 0xFFFF
+    positions = (torch.repeat_interleave(torch.arange(chunks), counts) << _CHUNK_BITS) | low
+    stored_e[positions] = payload[values_at:low_at].view(stored_e.dtype)[:n]
