@@ -103,4 +103,4 @@ class ReplicaShell:
     @ray.method(concurrency_group="serve")
     def scale_table(self, as_json: bool = False) -> str:
         records = self.scale_records()
-        return to_json(records) if as_json else format_table(records)
+        return to_json(records) if as_json else format_table(records, digest=(self.replica.last_update() or {}).get("digest"))

@@ -37,4 +37,4 @@ class AsyncRolloutActor(AsyncReplicaMethods):
 
     async def scale_table(self, as_json: bool = False) -> str:
         records = await self.scale_records()
-        return to_json(records) if as_json else format_table(records)
+        return to_json(records) if as_json else format_table(records, digest=(self.replica.last_update() or {}).get("digest"))

@@ -52,8 +52,8 @@ class TrainerActor:
     ) -> Iterator[WireBucket | BucketContents]:
         self._stream_seconds = 0.0
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
-        buckets = produce_buckets(plan, CheckpointView(self.model).tensor)
-        yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport, delta)
+        buckets = self._transport.encode(produce_buckets(plan, CheckpointView(self.model).tensor), delta)
+        yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport)
 
     def base_entries(self) -> list[tuple]:
         """What the last stream sent, for delta syncs (optional in the protocol: without it every sync is full)."""

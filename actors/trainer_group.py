@@ -105,7 +105,8 @@ class TrainerRank:
         sampler = threading.Thread(target=self._sample_rss, args=(baseline, stop), daemon=True)
         sampler.start()
         try:
-            yield from self._transport.send(timed(self.source.stream(plan), self._add_stream_seconds), transport, delta)
+            buckets = self._transport.encode(self.source.stream(plan), delta)
+            yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport)
         finally:
             stop.set()
             sampler.join()

@@ -135,9 +135,10 @@ def _inspect(address: str, as_json: bool) -> int:
         update = "none yet" if last is None else (
             f"sync {last['sync_id']} {last['outcome']}" + (f" as v{last['version']}" if last["version"] else "")
             + f", {last['buckets']} bucket(s), load {last['load_seconds']:.3f} s"
+            + (f", {last['bytes_received'] / 2**20:.2f} MiB received" if "bytes_received" in last else "")
         )
         print(f"{name} on node {node[:8]}: {status}; last update: {update}")
-        print(format_table(records) + "\n")
+        print(format_table(records, digest=None if last is None else last.get("digest")) + "\n")
     return 0
 
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
-from refit.errors import VerificationError
+from refit.errors import LifecycleError, VerificationError
 from refit.plan.config import Pause, SyncConfig, Transport, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -288,6 +288,17 @@ class ReplicaCore:
     def close(self) -> None:
         """Stop the lease watchdog (the replica is going away)."""
         self._closed.set()
+
+    def drop_delta_base(self) -> None:
+        """Free the copy of the served version kept for delta syncs; the next sync sends this replica everything."""
+        with self._lock:
+            if self.lifecycle.open_update() is not None:
+                raise LifecycleError(f"drop_delta_base() during update {self.lifecycle.open_update()}; call it between syncs")
+            self._digest = None
+            self._base.clear()
+            if self._workers_keep_base:
+                self.workers.drop_base()
+                self._workers_keep_base = False
 
     # -- the steps' parts -----------------------------------------------------------------
     def _begin_base(self, config: SyncConfig) -> None:

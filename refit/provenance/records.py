@@ -44,11 +44,12 @@ def to_json(records: list[ScaleRecord]) -> str:
     return json.dumps([asdict(r) for r in records], indent=1)
 
 
-def format_table(records: list[ScaleRecord]) -> str:
-    """A fixed-width table, one row per scale, for logs and terminals."""
+def format_table(records: list[ScaleRecord], *, digest: str | None = None) -> str:
+    """A fixed-width table, one row per scale, for logs and terminals; `digest`: the served version's, if known."""
     header = ("module", "scale", "source", "version", "value")
     rows = [(r.module, r.scale, str(r.source), "-" if r.version is None else str(r.version), f"{r.value:.6g}")
             for r in records]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+    footer = [] if digest is None else [f"served version's digest: {digest}"]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], *footer])

@@ -3,7 +3,7 @@
 `actors.TrainerActor` (or any weight source) keeps one `TransportSender`,
 exposes `join`/`leave`/`group_id` as `join_transport`/`leave_transport`/
 `transport_group`, and passes its buckets through `send` in
-`stream_buckets(plan, transport, delta)`. That keeps the protocol's knowledge of
+`stream_buckets(plan, transport, delta)` (after `encode`). That keeps the protocol's knowledge of
 transports here, not in each trainer. It also keeps the sender's delta base
 (refit/transport/delta.py): `base_entries` is the trainer's `base_entries`.
 """
@@ -45,15 +45,15 @@ class TransportSender:
         """What the last stream sent, entry by entry, for the version digest a delta is made against."""
         return self._base.entries()
 
-    def send(
-        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str, delta: DeltaMode | str = DeltaMode.OFF
-    ) -> Iterable[WireBucket] | Iterator[BucketContents]:
-        """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way.
+    def encode(self, buckets: Iterable[WireBucket], delta: DeltaMode | str) -> Iterator[WireBucket]:
+        """`delta` (the Syncer's choice): whole buckets, their deltas against the last stream's, or both;
+        every whole bucket becomes the new base. A trainer times this with its own producing."""
+        return self._base.stream(buckets, DeltaMode(delta))
 
-        `delta` (the Syncer's choice): whole buckets, their deltas against
-        the last stream's, or both; every whole bucket becomes the new base.
-        """
-        buckets = self._base.stream(buckets, DeltaMode(delta))
+    def send(
+        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str
+    ) -> Iterable[WireBucket] | Iterator[BucketContents]:
+        """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way."""
         if transport == "ray":
             return buckets
         if isinstance(transport, IpcTransport):

@@ -167,20 +167,32 @@ def test_ranks_that_disagree_on_a_tensor_are_refused_before_anything_starts():
 
 
 def test_moe_group_sends_each_expert_from_the_rank_that_holds_it(actors_factory, ray_cluster):
-    """FSDP2 shards the fused experts by expert: each rank sends its experts whole, per expert, in FP8_BLOCK."""
+    """FSDP2 shards the fused experts by expert: each rank sends its experts whole, per expert, in FP8_BLOCK;
+    after a step, only what changed, and the replica then serves what a full sync gives it."""
     moe = dict(tied=False, arch="qwen3_moe")
-    group = TrainerGroup(model_dir(variant="bf16", **moe), 2, resources=TWO_NODES)
+    group = TrainerGroup(model_dir(variant="bf16", **moe), 2, resources=TWO_NODES, lr=1e-5)
     try:
         fresh = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=1, kv_cache_dtype="fp8_e4m3")
         expected = serve(fresh)
         ray.kill(fresh)
         replica = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=2, **FP8_DUMMY)
-        refit.sync(group, replica)
+        full = refit.sync(group, replica)
         got = serve(replica)
         assert got.token_ids == expected.token_ids
         assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
         stats = group.stream_stats()
         # 4 experts x 3 projections x 2 layers, 2 experts on each rank; the k/v projections (128 rows) gathered.
         assert [s["whole"] for s in stats] == [12, 12] and [s["gather"] for s in stats] == [2, 2]
+
+        # A step at an RL learning rate, then a delta: each rank diffs the rows it sent last (its own experts).
+        group.train_step(make_sequences(8, 16, seed=1).tolist())
+        report = refit.sync(group, replica)
+        (delta,) = report.replicas
+        assert delta.mode == "delta" and delta.digest == report.digest
+        assert delta.bytes_received < 0.3 * full.replicas[0].bytes_received, (delta.bytes_received, full.replicas[0].bytes_received)
+        by_delta = serve(replica)
+        assert refit.sync(group, replica, refit.SyncConfig(delta="off")).replicas[0].mode == "full"
+        by_full = serve(replica)
+        assert (by_delta.token_ids, by_delta.logprobs) == (by_full.token_ids, by_full.logprobs)
     finally:
         group.kill()
