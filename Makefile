@@ -18,6 +18,7 @@ test: env
 
 bench: env
 	$(PY) -m benchmarks.bench_alternatives
+	$(PY) -m benchmarks.bench_delta
 	$(PY) -m benchmarks.bench_quantizer
 	$(PY) -m benchmarks.bench_sync
 	$(PY) -m benchmarks.bench_sharded

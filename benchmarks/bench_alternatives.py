@@ -5,8 +5,9 @@ trainer on node 0 and one FP8_BLOCK dummy-loaded rollout with an FP8 KV cache
 on node 1; each path is timed as the median of `--repeats` runs after a
 warm-up:
 
-- refit over `ray` and over `collective`, with checksums (the default) and
-  with `verify="off"`;
+- refit's full sync over `ray` and over `collective`, with checksums (the
+  default) and with `verify="off"` (the rollout forgets its delta base before
+  each, so every sync sends every byte; `bench_delta` measures deltas);
 - bf16 on the wire, quantized on the rollout (`quantize_on="rollout"`: the
   verl and NeMo-RL pattern), through refit;
 - one remote call per tensor (`bucket_bytes=1`: every tensor travels alone,
@@ -131,6 +132,12 @@ def reload_from_file(rollout, directory: str) -> float:
     return time.perf_counter() - start
 
 
+def drop_replica_base(rollout) -> None:
+    """In the rollout: forget the version it serves as a delta base, so the next sync is a full one (bench_delta
+    measures deltas)."""
+    rollout.replica.drop_delta_base()
+
+
 def clone_weights(trainer) -> float:
     """In the trainer: copy every bf16 parameter once."""
     start = time.perf_counter()
@@ -157,6 +164,7 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
             plan = syncers[DEFAULT].plan()
             for _ in range(repeats):
                 for name, syncer in syncers.items():
+                    run_in(rollout, drop_replica_base)  # a full sync each time: the trainer has not changed
                     report = syncer.sync()
                     results[name].seconds.append(report.total_seconds)
                     results[name].stages = stage_split(report)
@@ -184,6 +192,7 @@ def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> tuple[dict[str,
     for actor in sides.values():
         run_in(actor, instruments.stages_start)
         run_in(actor, instruments.memory_start)
+    run_in(rollout, drop_replica_base)
     report = syncer.sync()
     memory = {side: run_in(actor, instruments.memory_stop) for side, actor in sides.items()}
     detail = {side: run_in(actor, instruments.stages_stop) for side, actor in sides.items()}

@@ -45,7 +45,8 @@ def main() -> None:
         victims = {"ray": rollout(fp8, 0), "collective": rollout(fp8, 0)}
         ray.get([a.__ray_ready__.remote() for a in (trainer, *survivors, *victims.values())], timeout=1800)
         for transport, victim in victims.items():
-            config = refit.SyncConfig(bucket_bytes=int(args.bucket_mib * 2**20), transport=transport, timeout_s=60)
+            config = refit.SyncConfig(bucket_bytes=int(args.bucket_mib * 2**20), transport=transport, timeout_s=60,
+                                      delta="off")  # whole syncs: the trainer does not change between them
             with refit.Syncer(trainer, [*survivors, victim], config) as syncer:
                 syncer.sync()  # warm-up: plan, group, first-touch allocations
                 undisturbed = syncer.sync()

@@ -33,7 +33,7 @@ def main() -> None:
         rollout = RolloutActor.options(num_cpus=0, resources={"node2": 0.01}).remote(
             EngineConfig(model=str(fp8), load_format="dummy", kv_cache_dtype="fp8_e4m3", max_model_len=256)
         )
-        config = refit.SyncConfig(bucket_bytes=int(args.bucket_mib * 2**20))
+        config = refit.SyncConfig(bucket_bytes=int(args.bucket_mib * 2**20), delta="off")  # whole syncs (bench_delta: deltas)
         syncers = {"single process": refit.Syncer(single, rollout, config), "FSDP2, 2 ranks": refit.Syncer(group, rollout, config)}
         for syncer in syncers.values():
             syncer.sync()  # warm-up: plans, routes, first-touch allocations

@@ -26,7 +26,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
         trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
         bucket = int(args.bucket_mib * 2**20)
-        syncers = {name: refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, transport=name))
+        syncers = {name: refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, transport=name, delta="off"))
                    for name in ("ray", "collective")}
         for syncer in syncers.values():
             syncer.sync()  # warm-up: plan, group, kernel build, first-touch allocations

@@ -28,3 +28,14 @@ def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_c
     assert {"fetch", "verify", "load"} <= set(size["stage_detail"]["rollout"])
     assert set(size["peak_extra_bytes"]) == {"trainer", "rollout"} and "peak extra private memory" in out
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+@pytest.mark.engine
+def test_the_delta_benchmark_measures_delta_and_full_syncs_of_one_state_and_writes_its_json(ray_cluster, tmp_path):
+    out = run_python(["-m", "benchmarks.bench_delta", "--layers", "2", "--hidden", "256", "--repeats", "1", "--lrs", "1e-5",
+                      "--out", str(tmp_path)], ray_address=ray_cluster.address)
+    assert "model 25 Gbit/s" in out and "bases kept between syncs" in out, out
+    summary = json.loads((tmp_path / "delta.json").read_text())
+    result = summary["by_lr"]["1e-05"]
+    assert 0 < result["delta"]["bytes"] < result["full"]["bytes"]
+    assert 0 < summary["base_bytes"]["trainer"] <= summary["base_bound_bytes"]

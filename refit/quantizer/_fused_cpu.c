@@ -218,3 +218,42 @@ uint32_t refit_crc32(const uint8_t *p, long n, uint32_t crc) {
   }
   return ~crc_bytes(state, p, n);
 }
+
+/* Delta syncs (refit/transport/delta.py): the indices of the `width`-byte elements (1, 2, 4 or 8) where a
+   and b differ, written to out; -1 as soon as there are more than `cap` (the entry then travels whole).
+   64 bytes are compared at a time with word XORs, which the compiler vectorizes; in a word that differs,
+   each differing element is found from the XOR's lowest set bit, so the cost is per change, not per byte. */
+static long diff_word(uint64_t x, long word, int width, int64_t *out, long count, long cap) {
+    const uint64_t lane = width == 8 ? ~0ULL : (1ULL << (8 * width)) - 1;
+    while (x) {
+        int element = __builtin_ctzll(x) / (8 * width);
+        if (count == cap) return -1;
+        out[count++] = word * (8 / width) + element;
+        x &= ~(lane << (8 * width * element));
+    }
+    return count;
+}
+
+long refit_diff_positions(const uint8_t *a, const uint8_t *b, long nbytes, int width, int64_t *out, long cap) {
+    long count = 0, i = 0;
+    for (; i + 64 <= nbytes; i += 64) {
+        uint64_t x[8], any = 0;
+        for (int k = 0; k < 8; k++) {
+            uint64_t u, v;
+            memcpy(&u, a + i + 8 * k, 8);
+            memcpy(&v, b + i + 8 * k, 8);
+            x[k] = u ^ v;
+            any |= x[k];
+        }
+        for (int k = 0; any && k < 8; k++) {
+            if (x[k] && (count = diff_word(x[k], i / 8 + k, width, out, count, cap)) < 0) return -1;
+        }
+    }
+    for (; i < nbytes; i += width) {  /* the tail: fewer than 64 bytes */
+        if (memcmp(a + i, b + i, (size_t)width)) {
+            if (count == cap) return -1;
+            out[count++] = i / width;
+        }
+    }
+    return count;
+}

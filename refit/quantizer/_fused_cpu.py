@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["all_finite", "bf16_to_fp8_codes", "crc32", "handles", "quantize"]
+__all__ = ["all_finite", "bf16_to_fp8_codes", "changed_elements", "crc32", "handles", "quantize"]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -75,6 +75,17 @@ def crc32(data: torch.Tensor) -> int | None:
     if library is None or not library.refit_crc32_folds() or data.device.type != "cpu" or not data.is_contiguous():
         return None
     return library.refit_crc32(data.data_ptr(), data.numel() * data.element_size(), 0)
+
+
+def changed_elements(new: torch.Tensor, old: torch.Tensor, width: int, cap: int) -> torch.Tensor | None | bool:
+    """Indices of the `width`-byte elements whose bytes differ between two contiguous CPU byte tensors of
+    one size; None if more than `cap` differ; False where this kernel does not apply."""
+    library = _library()
+    if library is None or new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
+        return False
+    out = torch.empty(min(cap, new.numel() // width), dtype=torch.int64)
+    count = library.refit_diff_positions(new.data_ptr(), old.data_ptr(), new.numel(), width, out.data_ptr(), out.numel())
+    return None if count < 0 else out[:count]
 
 
 def all_finite(tensor: torch.Tensor) -> bool | None:
@@ -121,6 +132,8 @@ def _library() -> ctypes.CDLL | None:
     library.refit_bf16_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     library.refit_crc32.restype = ctypes.c_uint32
     library.refit_crc32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint32]
+    library.refit_diff_positions.restype = ctypes.c_long
+    library.refit_diff_positions.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
     library.refit_crc32_folds.restype = ctypes.c_int
     library.refit_crc32_folds.argtypes = []
     return library

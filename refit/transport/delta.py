@@ -40,6 +40,7 @@ from enum import StrEnum
 import torch
 
 from refit.errors import VerificationError
+from refit.quantizer import _fused_cpu
 from refit.transport.buckets import WireBucket, WireTensor, assemble_bucket, element_view
 from refit.transport.checksums import crc32
 
@@ -179,9 +180,8 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
-def _elements(raw: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Bytes as integers of the element's width: equal bytes <=> equal integers, NaN or not."""
-    width = element_view(dtype).itemsize
+def _elements(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Bytes as integers `width` bytes wide: equal bytes <=> equal integers, NaN or not."""
     return raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
 
 
@@ -197,11 +197,32 @@ def _layout(numel: int, changed: int, width: int) -> tuple[int, int, int]:
     return values, low, low + 2 * changed
 
 
+def _changed_positions(new: torch.Tensor, old: torch.Tensor, width: int, cap: int) -> torch.Tensor | None:
+    """Indices of the elements whose bytes differ; None when more than `cap` do (then only the count matters)."""
+    positions = _fused_cpu.changed_elements(new, old, width, cap)
+    if positions is not False:  # the C kernel: one pass at memory speed, stopping early past `cap`
+        return positions
+    # torch: words first (8 bytes at a time), then the elements of the words that differ
+    words = (new.view(torch.int64) != old.view(torch.int64)).nonzero().view(-1) if new.numel() % 8 == 0 else None
+    if words is None:
+        positions = (_elements(new, width) != _elements(old, width)).nonzero().view(-1)
+    else:
+        per_word = 8 // width
+        inside = (_elements(new, width).view(-1, per_word)[words] != _elements(old, width).view(-1, per_word)[words]).nonzero()
+        positions = words[inside[:, 0]] * per_word + inside[:, 1]
+    return None if positions.numel() > cap else positions
+
+
 def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torch.Tensor] | None:
     """(changed elements, payload bytes), or None when the whole entry is no larger."""
-    new_e, old_e = _elements(new, dtype), _elements(old, dtype)
-    positions = (new_e != old_e).nonzero().view(-1)
-    values_at, low_at, size = _layout(new_e.numel(), positions.numel(), new_e.element_size())
+    width = element_view(dtype).itemsize
+    numel = new.numel() // width
+    cap = (new.numel() - 8 - _layout(numel, 0, width)[2]) // (2 + width)  # at most this many for a smaller payload
+    positions = _changed_positions(new, old, width, cap) if cap >= 0 else None
+    if positions is None:
+        return None
+    new_e = _elements(new, width)
+    values_at, low_at, size = _layout(numel, positions.numel(), width)
     if size >= new.numel():
         return None
     payload = torch.zeros(size, dtype=torch.uint8)
@@ -214,7 +235,7 @@ def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torc
 
 def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> None:
     """Write a delta's elements into the base entry `stored`, in place."""
-    stored_e = _elements(stored, entry.dtype)
+    stored_e = _elements(stored, element_view(entry.dtype).itemsize)
     n, numel = entry.changed, stored_e.numel()
     values_at, low_at, size = _layout(numel, n, stored_e.element_size())
     if payload.numel() != size:

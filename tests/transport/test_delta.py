@@ -1,0 +1,135 @@
+"""Delta encoding, pure logic: a delta rebuilds the sender's bytes exactly, or the replica refuses it by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit.quantizer import _fused_cpu
+from refit.transport import delta
+from refit.transport.buckets import pack_bucket
+from refit.transport.delta import BaseMismatchError, DeltaMode, ReplicaBase, SenderBase, version_digest
+
+
+def bucket(weight: torch.Tensor, scale: torch.Tensor, embedding: torch.Tensor, *, index: int = 0, rows: int = 0):
+    return pack_bucket(index, [("w", weight), ("w_scale", scale), ("emb", embedding)], row_offsets={"emb": rows})
+
+
+def tensors(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(300, 260, generator=gen).to(torch.float8_e4m3fn), torch.rand(3, 3, generator=gen),
+            torch.randn(70, 64, generator=gen).to(torch.bfloat16))
+
+
+def changed(values: tuple, fraction: float, seed: int = 1) -> tuple:
+    """Each tensor with about `fraction` of its elements' lowest byte flipped (NaN patterns included)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for value in values:
+        value = value.clone()
+        raw = value.view(-1).view(torch.uint8)
+        flip = torch.rand(value.numel(), generator=gen) < fraction
+        raw.view(value.numel(), -1)[flip, 0] ^= 0x01
+        out.append(value)
+    return tuple(out)
+
+
+def sync(sender: SenderBase, replica: ReplicaBase, buckets: list, mode: DeltaMode) -> list:
+    replica.begin()
+    sent = list(sender.stream(buckets, mode))
+    rebuilt = [replica.rebuild(part.unpack_rows()) for part in sent]
+    replica.finish()
+    return sent, rebuilt
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_a_chain_of_deltas_rebuilds_the_senders_bytes_and_its_digest(monkeypatch, kernel):
+    if kernel == "torch":
+        monkeypatch.setattr(_fused_cpu, "changed_elements", lambda *args: False)
+    sender, replica = SenderBase(), ReplicaBase()
+    state = tensors()
+    sent, _ = sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    assert all(entry.changed is None for entry in sent[0].tensors)
+    for step, fraction in enumerate((0.003, 0.03, 0.0)):
+        state = changed(state, fraction, seed=step)
+        full = bucket(*state)
+        (sent,), (rows,) = sync(sender, replica, [full], DeltaMode.DELTA)
+        assert all(entry.changed is not None for entry in sent.tensors) and sent.nbytes < 0.2 * full.nbytes
+        for (entry, got), value in zip(rows, state):
+            assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), entry.name
+        assert replica.digest() == version_digest(sender.entries())
+
+
+def test_an_entry_whose_delta_is_not_smaller_travels_whole_and_both_mode_yields_both():
+    sender, replica = SenderBase(), ReplicaBase()
+    state = tensors()
+    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    state = (changed(state[:1], 0.6)[0], *state[1:])  # most FP8 codes change
+    whole, delta_part = sender.stream([bucket(*state)], DeltaMode.BOTH)
+    kinds = {entry.name: entry.changed for entry in delta_part.tensors}
+    assert kinds["w"] is None and kinds["w_scale"] == 0 and kinds["emb"] == 0
+    assert all(entry.changed is None for entry in whole.tensors)
+    replica.begin()
+    replica.rebuild(delta_part.unpack_rows())
+    assert replica.finish() == version_digest(sender.entries())
+
+
+def test_a_base_that_differs_is_refused_by_name_and_dropped():
+    sender, replica = SenderBase(), ReplicaBase()
+    state = tensors()
+    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    replica._entries[("emb", 0)][1][5] ^= 0x40  # altered after it was served
+    state = changed(state, 0.01)
+    (sent,) = sender.stream([bucket(*state)], DeltaMode.DELTA)
+    replica.begin()
+    with pytest.raises(BaseMismatchError, match="emb: rebuilt from this replica's base"):
+        replica.rebuild(sent.unpack_rows())
+    replica.abort()
+    assert replica.digest() is None and replica.nbytes() == 0
+    with pytest.raises(BaseMismatchError, match="w: a delta arrived for a tensor this replica's base does not hold"):
+        ReplicaBase().rebuild(sent.unpack_rows())
+
+
+def test_a_failed_update_that_changed_nothing_keeps_the_base():
+    sender, replica = SenderBase(), ReplicaBase()
+    sync(sender, replica, [bucket(*tensors())], DeltaMode.FULL)
+    digest = replica.digest()
+    replica.begin()
+    replica.abort()
+    assert replica.digest() == digest and replica.nbytes() > 0
+
+
+def test_row_slices_of_a_sharded_sender_are_their_own_entries_and_the_digest_ignores_order():
+    first, second = SenderBase(), SenderBase()  # two ranks, each with its rows of "emb"
+    state = tensors()
+    list(first.stream([bucket(*state, rows=0)], DeltaMode.FULL))
+    list(second.stream([bucket(*state, index=1, rows=70)], DeltaMode.FULL))
+    entries = first.entries() + second.entries()
+    assert {(name, row) for name, row, *_ in entries} >= {("emb", 0), ("emb", 70)}
+    assert version_digest(entries) == version_digest(list(reversed(entries)))
+    assert version_digest(entries) != version_digest(first.entries())
+
+
+def test_off_keeps_no_base():
+    sender = SenderBase()
+    list(sender.stream([bucket(*tensors())], DeltaMode.FULL))
+    assert sender.nbytes() > 0
+    list(sender.stream([bucket(*tensors())], DeltaMode.OFF))
+    assert sender.nbytes() == 0 and sender.entries() == []
+
+
+def test_the_c_kernel_and_torch_find_the_same_changed_elements():
+    gen = torch.Generator().manual_seed(0)
+    for nbytes in (7, 64, 1000, 4099 * 8):
+        old = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        new = old.clone()
+        new[torch.randint(0, nbytes, (nbytes // 9 + 1,), generator=gen)] ^= 0x80
+        for width in (1, 2, 4, 8):
+            if nbytes % width:
+                continue
+            view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+            expected = (new.view(view) != old.view(view)).nonzero().view(-1)
+            got = _fused_cpu.changed_elements(new, old, width, nbytes)
+            assert got is False or torch.equal(got, expected), (nbytes, width)
+            assert got is False or _fused_cpu.changed_elements(new, old, width, expected.numel() - 1) is None
+            assert torch.equal(delta._changed_positions(new, old, width, nbytes), expected)
