@@ -24,8 +24,9 @@ below) replaces each negative dummy placeholder by its magnitude before the
 post-refit stage: the same saturation, served. Its provenance still says
 `dummy`: nothing informed those values.
 
-Each round prints the version, the sync's milliseconds by stage and bytes
-on the wire, the logprob probe's outcome, the mean reward of the sampled
+Each round prints the version, the sync's milliseconds by stage, the bytes
+each replica received (a full sync first, then deltas: only what changed
+since the version it served), the logprob probe's outcome, the mean reward of the sampled
 groups, the greedy accuracy of the trainer, the refit rollouts (the worse
 of the two) and the seed-bug replica, and one line per replica saying where
 its scales came from. The end prints one summary line and writes
@@ -44,7 +45,7 @@ import ray
 
 import refit
 from actors import RolloutActor
-from examples.rl_loop import rollout_engine, run, start_actors
+from examples.rl_loop import received_mib, rollout_engine, run, start_actors
 from fixtures.cluster import QUIET_ENV, local_cluster
 
 
@@ -120,7 +121,7 @@ def main() -> None:
 
 
 def plot(history, path: str) -> str:
-    """Reward and greedy accuracy, sync milliseconds by stage, and bytes on the wire, per round, as a PNG."""
+    """Reward and greedy accuracy, sync milliseconds by stage, and bytes each replica received, per round, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -152,8 +153,10 @@ def plot(history, path: str) -> str:
         ms.annotate(f"{bottom[0]:.0f} ms (plan + first forward)", (rounds[0], top), xytext=(4, -12),
                     textcoords="offset points", fontsize=8)
     ms.legend(fontsize=8, ncol=4, loc="upper right")
-    wire.bar(rounds, [r.sync.bytes_on_wire / 2**20 for r in history], color="tab:gray")
-    wire.set_ylabel("on the wire per\nreplica (MiB)")
+    wire.bar(rounds, [received_mib(r.sync) for r in history], color="tab:gray", label="received (deltas after the first)")
+    wire.axhline(history[0].sync.bytes_on_wire / 2**20, color="black", linestyle="--", linewidth=0.8, label="a full sync")
+    wire.set_ylabel("received per\nreplica (MiB)")
+    wire.legend(fontsize=8, loc="lower right")
     wire.set_xlabel("RL round (the trainer's weights synced before it)")
     wire.set_xticks(rounds)
     fig.suptitle("refit demo: FP8 rollouts synced by refit track the trainer;\n"

@@ -187,12 +187,17 @@ def probe_outcome(report: refit.SyncReport) -> str:
     return next((o for o in outcomes if "BREACHED" in o), outcomes[0])
 
 
+def received_mib(report: refit.SyncReport) -> float:
+    """What the replica that received most got: a delta sync sends only what changed since its last version."""
+    return max(r.bytes_received for r in report.replicas) / 2**20
+
+
 def round_line(r: Round) -> str:
     s = r.sync
     probe = probe_outcome(s)
     line = (f"round {r.round}: v{r.version} synced in {s.total_seconds * 1e3:.0f} ms (plan {s.plan_seconds * 1e3:.0f}, "
             f"begin {s.begin_seconds * 1e3:.0f}, stream {s.stream_seconds * 1e3:.0f}, finish {s.finish_seconds * 1e3:.0f}), "
-            f"{s.bytes_on_wire / 2**20:.1f} MiB per replica; {probe}\n"
+            f"{received_mib(s):.2f} MiB per replica ({'/'.join(sorted({r.mode for r in s.replicas}))}); {probe}\n"
             f"  mean reward {r.mean_reward:.3f}, greedy accuracy rollout {r.rollout_accuracy:.2f} trainer {r.trainer_accuracy:.2f}"
             + "".join(f" {name} {w.accuracy:.2f}" for name, w in r.watched.items())
             + "".join(f"\n  rollout {i} scales: {p}" for i, p in enumerate(r.provenance)))

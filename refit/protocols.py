@@ -13,6 +13,7 @@ actor with its own engine delegates them to `refit.llm_replica(llm)` or
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from refit.transport.buckets import BucketContents, WireBucket
     from refit.verification.probe import ProbeRequest
 
-__all__ = ["RolloutReplica", "ShardedWeightSource", "WeightSource", "has_method", "missing_methods"]
+__all__ = ["RolloutReplica", "ShardedWeightSource", "WeightSource", "accepts", "has_method", "missing_methods"]
 
 
 @runtime_checkable
@@ -59,6 +60,13 @@ class WeightSource(Protocol):
         `"collective"` also needs `join_transport(rendezvous, rank)`,
         `leave_transport()` and `transport_group()` (the sender's `join`,
         `leave`, `group_id`); `actors.TrainerActor` has all of them.
+
+        Delta syncs (optional): a source that has `base_entries()` (the
+        sender's, `TransportSender.base_entries`) and whose `stream_buckets`
+        takes a third argument named `delta` is called
+        `stream_buckets(plan, transport, delta)` and passes its buckets
+        through `TransportSender.encode(buckets, delta)` first. Any other
+        source gets full syncs.
         """
         ...
 
@@ -84,6 +92,10 @@ class RolloutReplica(Protocol):
     `begin_update` -> `load_bucket` per bucket -> `finish_update`, or
     `abort_update` from any point. Every exit leaves the replica either
     serving a whole, named version or refusing to serve with a reason.
+
+    Optional: `base_digest(transport)`, the digest of the version it serves
+    if it keeps that version's bytes to rebuild deltas (`refit.ReplicaCore`
+    does); a replica without it gets full syncs.
     """
 
     def describe(self) -> RolloutModelInfo:
@@ -138,6 +150,20 @@ def missing_methods(obj: object, protocol: type) -> list[str]:
     """Methods of `protocol` that `obj` (a plain object or a Ray actor handle) lacks."""
     names = [n for n in protocol.__dict__ if not n.startswith("_") and callable(getattr(protocol, n))]
     return [n for n in names if not has_method(obj, n)]
+
+
+def accepts(obj: object, method: str, parameter: str) -> bool:
+    """Whether `obj`'s `method` (of a plain object or a Ray actor handle) takes an argument named `parameter`.
+
+    Why: an optional argument of a protocol method (`stream_buckets`'s
+    `delta`) must not reach a source whose override does not take it, e.g. a
+    subclass of `TrainerActor` that streams its own buckets.
+    """
+    bound = getattr(obj, method)
+    parameters = getattr(bound, "_signature", None)  # a Ray actor method's, as inspect.Parameter objects
+    if parameters is None:
+        parameters = inspect.signature(bound).parameters.values()
+    return any(p.name == parameter for p in parameters)
 
 
 def has_method(obj: object, name: str) -> bool:

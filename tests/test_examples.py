@@ -73,7 +73,7 @@ def test_multinode_places_a_rollout_on_every_other_node(ray_cluster):
 
 
 ROUND = re.compile(
-    r"round (\d+): v(\d+) synced in (\d+) ms \(plan \d+, begin \d+, stream \d+, finish \d+\), [\d.]+ MiB per replica; "
+    r"round (\d+): v(\d+) synced in (\d+) ms \(plan \d+, begin \d+, stream \d+, finish \d+\), [\d.]+ MiB per replica \((?:full|delta|delta/full)\); "
     r"probe (passed|BREACHED): .*\n  mean reward ([\d.]+), greedy accuracy rollout ([\d.]+) trainer ([\d.]+)(?: seed-bug ([\d.]+))?\n"
     r"  rollout 0 scales: (.*)\n  rollout 1 scales: (.*)"
 )
@@ -87,6 +87,8 @@ def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
                       "--prompts", "16", "--group", "4", "--transport", "collective"])
     rounds = ROUND.findall(out)
     assert len(rounds) == 3, out
+    # The first sync sends everything; after it both replicas hold the trainer's last version, so only what changed.
+    assert re.findall(r"MiB per replica \((\S+)\)", out) == ["full", "delta", "delta"], out
     versions = [int(r[1]) for r in rounds]
     assert versions == sorted(set(versions))  # one new version per round
     for _, _, _, breached, reward, rollout, trainer, _, _, _ in rounds:

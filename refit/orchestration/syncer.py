@@ -81,7 +81,7 @@ from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.plan.config import SyncConfig, Transport, Verify
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
-from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
+from refit.protocols import RolloutReplica, WeightSource, accepts, has_method, missing_methods
 from refit.transport.collective import Rendezvous, RendezvousHost
 from refit.transport.delta import BaseMismatchError, DeltaMode, version_digest
 from refit.transport.ipc import IpcTransport
@@ -516,7 +516,9 @@ class Syncer:
         return DeltaMode.FULL, dict.fromkeys(modes, "full")
 
     def _sources_keep_bases(self) -> bool:
-        return all(has_method(source, "base_entries") for _, source in self._sources)
+        """Every rank keeps a delta base and streams deltas (see `refit.protocols.WeightSource`)."""
+        return all(has_method(source, "base_entries") and accepts(source, "stream_buckets", "delta")
+                   for _, source in self._sources)
 
     def _sender_digest(self) -> str | None:
         """The digest of what the trainer's ranks last streamed (None before their first stream)."""
