@@ -82,9 +82,11 @@ def stages_start(actor: Any) -> None:
     if hasattr(actor, "replica"):
         import refit.engine.replica as replica_module
         import refit.plan.data_path as data_path
+        from refit.transport.delta import ReplicaBase
 
         clock.wrap(replica_module, "fetch_parts", "fetch")
         clock.wrap(data_path, "_check_checksums", "verify")
+        clock.wrap(ReplicaBase, "rebuild", "keep base / rebuild delta")
         clock.wrap(actor.replica.workers, "load", "load")
         clock.wrap(actor.replica.workers, "finish_update", "finalize")
         clock.wrap(actor.replica, "_apply_kv_scales", "post-refit stage")
@@ -95,6 +97,9 @@ def stages_start(actor: Any) -> None:
         clock.wrap(data_path, "_preflight", "preflight")
         clock.wrap(data_path, "quantize_fp8_block", "quantize")
         clock.wrap(buckets, "crc32", "checksum")
+        from refit.transport.delta import SenderBase
+
+        clock.wrap(SenderBase, "_delta", "delta encode")
 
 
 def stages_stop(actor: Any) -> dict[str, float]:

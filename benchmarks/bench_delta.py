@@ -33,6 +33,7 @@ from pathlib import Path
 import ray
 
 import refit
+from benchmarks import _instruments as instruments
 from benchmarks.bench_alternatives import cluster, drop_replica_base
 from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
 from tests.support.actors import run_in
@@ -52,6 +53,16 @@ def adamw_step_with_random_gradients(trainer, seed: int) -> None:
     with torch.no_grad():
         for master, param in zip(trainer._master, trainer._params):
             param.copy_(master)
+
+
+def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> dict[str, dict[str, float]]:
+    """One more (untimed) delta sync with each side's stage clocks running (benchmarks/_instruments.py)."""
+    sides = {"trainer": trainer, "rollout": rollout}
+    for actor in sides.values():
+        run_in(actor, instruments.stages_start)
+    report = syncer.sync()
+    assert report.replicas[0].mode == "delta", report.summary()
+    return {side: run_in(actor, instruments.stages_stop) for side, actor in sides.items()}
 
 
 def base_bytes(actor) -> int:
@@ -116,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                     full = syncer.sync()
                     assert full.replicas[0].mode == "full", full.summary()
                     full_rows.append(record(full))
-                results[lr] = {"delta": median_rows(delta_rows), "full": median_rows(full_rows)}
+                run_in(trainer, adamw_step_with_random_gradients, 10 * len(results) + 9, timeout=600)
+                results[lr] = {"delta": median_rows(delta_rows), "full": median_rows(full_rows),
+                               "delta stages": instrumented_sync(syncer, trainer, rollout)}
                 print(table(lr, results[lr]), flush=True)
             memory = {"trainer": run_in(trainer, base_bytes), "rollout": run_in(rollout, base_bytes)}
         finally:
@@ -145,6 +158,8 @@ def table(lr: float, result: dict[str, dict[str, float]]) -> str:
         else:
             ratio = f"{full[key] / delta[key]:.2f}x faster" if key == "seconds" or key.startswith("model") else ""
             lines.append(f"  {key + ' s':<22} {delta[key]:>12.3f} {full[key]:>12.3f} {ratio:>13}")
+    for side, stages in result.get("delta stages", {}).items():
+        lines.append(f"  delta sync by stage, {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
     return "\n".join(lines)
 
 

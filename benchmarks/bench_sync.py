@@ -71,9 +71,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
         trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
         bucket = int(args.bucket_mib * 2**20)
+        whole = {"bucket_bytes": bucket, "delta": "off"}  # full syncs: the trainer does not change between them
         syncers = {
-            "in flight 1 (no overlap)": refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, max_buckets_in_flight=1, delta="off")),
-            "in flight 2 (overlap)": refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, max_buckets_in_flight=2, delta="off")),
+            "in flight 1 (no overlap)": refit.Syncer(trainer, rollout, refit.SyncConfig(**whole, max_buckets_in_flight=1)),
+            "in flight 2 (overlap)": refit.Syncer(trainer, rollout, refit.SyncConfig(**whole, max_buckets_in_flight=2)),
         }
         for syncer in syncers.values():
             syncer.sync()  # warm-up: plan, kernel build, first-touch allocations

@@ -73,7 +73,8 @@ def test_multinode_places_a_rollout_on_every_other_node(ray_cluster):
 
 
 ROUND = re.compile(
-    r"round (\d+): v(\d+) synced in (\d+) ms \(plan \d+, begin \d+, stream \d+, finish \d+\), [\d.]+ MiB per replica \((?:full|delta|delta/full)\); "
+    r"round (\d+): v(\d+) synced in (\d+) ms \(plan \d+, begin \d+, stream \d+, finish \d+\), "
+    r"[\d.]+ MiB per replica \((?:full|delta|delta/full)\); "
     r"probe (passed|BREACHED): .*\n  mean reward ([\d.]+), greedy accuracy rollout ([\d.]+) trainer ([\d.]+)(?: seed-bug ([\d.]+))?\n"
     r"  rollout 0 scales: (.*)\n  rollout 1 scales: (.*)"
 )

@@ -50,7 +50,7 @@ class SyncReport:
     probe_breached: bool = False  # the probe breached its thresholds somewhere and `on_probe_breach="flag"`
     startup_seconds: float = 0.0  # waiting for trainer ranks and replicas to be constructed (the Syncer's first call only)
     dropped: tuple[DroppedReplica, ...] = ()  # replicas lost during the sync; `replicas` are the ones that serve it
-    attempts: int = 1  # more than one: a replica lost mid-broadcast broke the collective group, or a delta base failed, and the survivors began again
+    attempts: int = 1  # more than one: the survivors began again (a replica lost mid-broadcast, or a delta base that failed)
     digest: str | None = None  # of the version the trainer sent (per-tensor CRC-32s, combined), with delta syncs on
 
     def to_dict(self) -> dict:
