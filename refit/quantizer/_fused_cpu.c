@@ -25,17 +25,19 @@ static inline uint8_t bf16_to_fp8_e4m3(uint16_t bits) {
   const uint32_t sign = (bits >> 8) & 0x80u;
   uint32_t mag = (uint32_t)(bits & 0x7FFFu) << 16; /* |q| as fp32 bits */
   mag = mag < 0x43E00000u ? mag : 0x43E00000u;     /* clamp to 448 */
-  uint32_t code;
-  if (mag < (121u << 23)) {
-    /* Below 2^-6, e4m3 is subnormal with step 2^-9. Adding 2^14 makes the
-     * FPU round at exactly that step (ties to even); the low bits of the sum
-     * are then the code. */
-    code = f32_to_bits(bits_to_f32(mag) + bits_to_f32(141u << 23)) - (141u << 23);
-  } else {
-    /* Normal: rebias the exponent 127 -> 7, round 23 -> 3 mantissa bits to nearest even. */
-    code = (mag - (120u << 23) + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;
-  }
-  return (uint8_t)(mag ? (code | sign) : 0u);
+  /* Below 2^-6, e4m3 is subnormal with step 2^-9. Adding 2^14 makes the FPU
+   * round at exactly that step (ties to even); the low bits of the sum are
+   * then the code. */
+  const uint32_t subnormal = f32_to_bits(bits_to_f32(mag) + bits_to_f32(141u << 23)) - (141u << 23);
+  /* Normal: rebias the exponent 127 -> 7, round 23 -> 3 mantissa bits to
+   * nearest even (wraps for subnormals, which do not take it). */
+  const uint32_t normal = (mag - (120u << 23) + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;
+  /* Both computed, one selected by a bit mask: with `?:` selects, GCC left
+   * the loop unvectorized on AVX2 ("control flow in loop"; AVX-512 masks
+   * it): 0.4 GB/s a core on an AMD EPYC. */
+  const uint32_t is_subnormal = 0u - (uint32_t)(mag < (121u << 23));
+  const uint32_t code = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+  return (uint8_t)((code | sign) & (0u - (uint32_t)(mag != 0)));
 }
 
 /* The conversion alone, exported for the exhaustive test. */
