@@ -221,22 +221,14 @@ uint32_t refit_crc32(const uint8_t *p, long n, uint32_t crc) {
   return ~crc_bytes(state, p, n);
 }
 
-/* Delta syncs (refit/transport/delta.py): the indices of the `width`-byte elements (1, 2, 4 or 8) where a
-   and b differ, written to out; -1 as soon as there are more than `cap` (the entry then travels whole).
-   64 bytes are compared at a time with word XORs, which the compiler vectorizes; in a word that differs,
-   each differing element is found from the XOR's lowest set bit, so the cost is per change, not per byte. */
-static long diff_word(uint64_t x, long word, int width, int64_t *out, long count, long cap) {
-    const uint64_t lane = width == 8 ? ~0ULL : (1ULL << (8 * width)) - 1;
-    while (x) {
-        int element = __builtin_ctzll(x) / (8 * width);
-        if (count == cap) return -1;
-        out[count++] = word * (8 / width) + element;
-        x &= ~(lane << (8 * width * element));
-    }
-    return count;
-}
-
-long refit_diff_positions(const uint8_t *a, const uint8_t *b, long nbytes, int width, int64_t *out, long cap) {
+/* Delta syncs (refit/transport/delta.py): compare two byte arrays of `width`-byte elements (1, 2, 4 or 8)
+   and write a delta's parts in the same pass: per chunk of 65536 elements the count of changed ones, each
+   changed element's bytes (from a), the low 16 bits of its index. Returns how many changed, or -1 as soon
+   as more than `cap` did (the entry then travels whole). 64 bytes are compared at a time with word XORs,
+   which the compiler vectorizes; in a word that differs, each changed element is found from the XOR's
+   lowest set bit, so the cost is per change, not per byte. */
+long refit_diff_encode(const uint8_t *a, const uint8_t *b, long nbytes, int width, long cap,
+                       int32_t *counts, uint8_t *values, uint16_t *low) {
     long count = 0, i = 0;
     for (; i + 64 <= nbytes; i += 64) {
         uint64_t x[8], any = 0;
@@ -248,14 +240,43 @@ long refit_diff_positions(const uint8_t *a, const uint8_t *b, long nbytes, int w
             any |= x[k];
         }
         for (int k = 0; any && k < 8; k++) {
-            if (x[k] && (count = diff_word(x[k], i / 8 + k, width, out, count, cap)) < 0) return -1;
+            const uint64_t lane = width == 8 ? ~0ULL : (1ULL << (8 * width)) - 1;
+            uint64_t w = x[k];
+            while (w) {
+                const int element = __builtin_ctzll(w) / (8 * width);
+                const long index = (i / 8 + k) * (8 / width) + element;
+                if (count == cap) return -1;
+                counts[index >> 16]++;
+                memcpy(values + count * width, a + index * width, (size_t)width);
+                low[count++] = (uint16_t)(index & 0xFFFF);
+                w &= ~(lane << (8 * width * element));
+            }
         }
     }
-    for (; i < nbytes; i += width) {  /* the tail: fewer than 64 bytes */
+    for (; i < nbytes; i += width) {
         if (memcmp(a + i, b + i, (size_t)width)) {
+            const long index = i / width;
             if (count == cap) return -1;
-            out[count++] = i / width;
+            counts[index >> 16]++;
+            memcpy(values + count * width, a + i, (size_t)width);
+            low[count++] = (uint16_t)(index & 0xFFFF);
         }
     }
     return count;
+}
+
+/* Write a delta's elements into `stored` (numel elements of `width` bytes); -1 if its counts or indices do
+   not fit (the caller refuses the delta), else 0. */
+int refit_delta_apply(uint8_t *stored, long numel, int width, const int32_t *counts, long chunks,
+                      const uint8_t *values, const uint16_t *low, long n) {
+    long k = 0;
+    for (long chunk = 0; chunk < chunks; chunk++) {
+        if (counts[chunk] < 0 || k + counts[chunk] > n) return -1;
+        for (long end = k + counts[chunk]; k < end; k++) {
+            const long index = (chunk << 16) | low[k];
+            if (index >= numel) return -1;
+            memcpy(stored + index * width, values + k * width, (size_t)width);
+        }
+    }
+    return k == n ? 0 : -1;
 }

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["all_finite", "bf16_to_fp8_codes", "changed_elements", "crc32", "handles", "quantize"]
+__all__ = ["all_finite", "apply_delta", "bf16_to_fp8_codes", "crc32", "encode_delta", "handles", "quantize"]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -77,15 +77,31 @@ def crc32(data: torch.Tensor) -> int | None:
     return library.refit_crc32(data.data_ptr(), data.numel() * data.element_size(), 0)
 
 
-def changed_elements(new: torch.Tensor, old: torch.Tensor, width: int, cap: int) -> torch.Tensor | None | bool:
-    """Indices of the `width`-byte elements whose bytes differ between two contiguous CPU byte tensors of
-    one size; None if more than `cap` differ; False where this kernel does not apply."""
+def encode_delta(
+    new: torch.Tensor, old: torch.Tensor, width: int, cap: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool:
+    """A delta's (counts per chunk int32, values uint8, low 16 bits int16) from two contiguous CPU byte tensors;
+    None if more than `cap` elements differ; False where this kernel does not apply."""
     library = _library()
     if library is None or new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
         return False
-    out = torch.empty(min(cap, new.numel() // width), dtype=torch.int64)
-    count = library.refit_diff_positions(new.data_ptr(), old.data_ptr(), new.numel(), width, out.data_ptr(), out.numel())
-    return None if count < 0 else out[:count]
+    cap = min(cap, new.numel() // width)
+    counts = torch.zeros(chunks, dtype=torch.int32)
+    values, low = torch.empty(cap * width, dtype=torch.uint8), torch.empty(cap, dtype=torch.int16)
+    n = library.refit_diff_encode(new.data_ptr(), old.data_ptr(), new.numel(), width, cap, counts.data_ptr(),
+                                  values.data_ptr(), low.data_ptr())
+    return None if n < 0 else (counts, values[: n * width], low[:n])
+
+
+def apply_delta(stored: torch.Tensor, width: int, counts: torch.Tensor, values: torch.Tensor, low: torch.Tensor) -> bool | None:
+    """Write a delta into `stored` (contiguous CPU bytes) in place: True, False if its counts or indices do not
+    fit, None where this kernel does not apply."""
+    library = _library()
+    if library is None or stored.device.type != "cpu" or not stored.is_contiguous():
+        return None
+    counts, values, low = counts.contiguous(), values.contiguous(), low.contiguous()
+    return library.refit_delta_apply(stored.data_ptr(), stored.numel() // width, width, counts.data_ptr(), counts.numel(),
+                                     values.data_ptr(), low.data_ptr(), low.numel()) == 0
 
 
 def all_finite(tensor: torch.Tensor) -> bool | None:
@@ -132,8 +148,12 @@ def _library() -> ctypes.CDLL | None:
     library.refit_bf16_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     library.refit_crc32.restype = ctypes.c_uint32
     library.refit_crc32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint32]
-    library.refit_diff_positions.restype = ctypes.c_long
-    library.refit_diff_positions.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+    library.refit_diff_encode.restype = ctypes.c_long
+    library.refit_diff_encode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    library.refit_delta_apply.restype = ctypes.c_int
+    library.refit_delta_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     library.refit_crc32_folds.restype = ctypes.c_int
     library.refit_crc32_folds.argtypes = []
     return library

@@ -197,53 +197,68 @@ def _layout(numel: int, changed: int, width: int) -> tuple[int, int, int]:
     return values, low, low + 2 * changed
 
 
-def _changed_positions(new: torch.Tensor, old: torch.Tensor, width: int, cap: int) -> torch.Tensor | None:
-    """Indices of the elements whose bytes differ; None when more than `cap` do (then only the count matters)."""
-    positions = _fused_cpu.changed_elements(new, old, width, cap)
-    if positions is not False:  # the C kernel: one pass at memory speed, stopping early past `cap`
-        return positions
-    # torch: words first (8 bytes at a time), then the elements of the words that differ
-    words = (new.view(torch.int64) != old.view(torch.int64)).nonzero().view(-1) if new.numel() % 8 == 0 else None
-    if words is None:
-        positions = (_elements(new, width) != _elements(old, width)).nonzero().view(-1)
-    else:
-        per_word = 8 // width
-        inside = (_elements(new, width).view(-1, per_word)[words] != _elements(old, width).view(-1, per_word)[words]).nonzero()
-        positions = words[inside[:, 0]] * per_word + inside[:, 1]
-    return None if positions.numel() > cap else positions
+def _torch_positions(new: torch.Tensor, old: torch.Tensor, width: int) -> torch.Tensor:
+    """Indices of the elements whose bytes differ, by torch ops: words first (8 bytes at a time), then inside them."""
+    if new.numel() % 8:
+        return (_elements(new, width) != _elements(old, width)).nonzero().view(-1)
+    words = (new.view(torch.int64) != old.view(torch.int64)).nonzero().view(-1)
+    per_word = 8 // width
+    inside = (_elements(new, width).view(-1, per_word)[words] != _elements(old, width).view(-1, per_word)[words]).nonzero()
+    return words[inside[:, 0]] * per_word + inside[:, 1]
+
+
+def _delta_parts(
+    new: torch.Tensor, old: torch.Tensor, width: int, cap: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(count per chunk, the changed elements' bytes, their positions' low 16 bits), or None past `cap` changes."""
+    parts = _fused_cpu.encode_delta(new, old, width, cap, chunks)
+    if parts is not False:  # the C kernel: one pass at memory speed, stopping once past `cap`
+        return parts
+    positions = _torch_positions(new, old, width)
+    if positions.numel() > cap:
+        return None
+    counts = torch.bincount(positions >> _CHUNK_BITS, minlength=chunks).to(torch.int32)
+    low = (positions & 0xFFFF).to(torch.int32).to(torch.int16)  # the low 16 bits, as a bit pattern
+    return counts, _as_bytes(_elements(new, width)[positions]), low
 
 
 def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torch.Tensor] | None:
     """(changed elements, payload bytes), or None when the whole entry is no larger."""
     width = element_view(dtype).itemsize
     numel = new.numel() // width
+    chunks = -(-numel // (1 << _CHUNK_BITS))
     cap = (new.numel() - 8 - _layout(numel, 0, width)[2]) // (2 + width)  # at most this many for a smaller payload
-    positions = _changed_positions(new, old, width, cap) if cap >= 0 else None
-    if positions is None:
+    parts = _delta_parts(new, old, width, cap, chunks) if cap >= 0 else None
+    if parts is None:
         return None
-    new_e = _elements(new, width)
-    values_at, low_at, size = _layout(numel, positions.numel(), width)
+    counts, values, low = parts
+    values_at, low_at, size = _layout(numel, low.numel(), width)
     if size >= new.numel():
         return None
     payload = torch.zeros(size, dtype=torch.uint8)
-    chunks = -(-new_e.numel() // (1 << _CHUNK_BITS))
-    payload[:values_at].view(torch.int32)[:chunks] = torch.bincount(positions >> _CHUNK_BITS, minlength=chunks).to(torch.int32)
-    payload[values_at:low_at].view(new_e.dtype)[: positions.numel()] = new_e[positions]
-    payload[low_at:].view(torch.int16)[:] = (positions & 0xFFFF).to(torch.int32).to(torch.int16)  # the low 16 bits, wrapped
-    return positions.numel(), payload
+    payload[: 4 * chunks] = _as_bytes(counts)
+    payload[values_at : values_at + values.numel()] = values
+    payload[low_at:] = _as_bytes(low)
+    return low.numel(), payload
 
 
 def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> None:
     """Write a delta's elements into the base entry `stored`, in place."""
-    stored_e = _elements(stored, element_view(entry.dtype).itemsize)
-    n, numel = entry.changed, stored_e.numel()
-    values_at, low_at, size = _layout(numel, n, stored_e.element_size())
+    width = element_view(entry.dtype).itemsize
+    n, numel = entry.changed, stored.numel() // width
+    values_at, low_at, size = _layout(numel, n, width)
     if payload.numel() != size:
         raise BaseMismatchError(f"{entry.name}: a delta of {payload.numel()} bytes cannot hold {n} changed elements")
     chunks = -(-numel // (1 << _CHUNK_BITS))
-    counts = payload[:values_at].view(torch.int32)[:chunks].to(torch.int64)
-    if int(counts.sum()) != n:
-        raise BaseMismatchError(f"{entry.name}: a delta's position counts do not add up to its {n} changed elements")
-    low = payload[low_at:].view(torch.int16).to(torch.int64) & 0xFFFF
-    positions = (torch.repeat_interleave(torch.arange(chunks), counts) << _CHUNK_BITS) | low
-    stored_e[positions] = payload[values_at:low_at].view(stored_e.dtype)[:n]
+    counts, low = payload[: 4 * chunks].view(torch.int32), payload[low_at:].view(torch.int16)
+    values = payload[values_at : values_at + n * width]
+    applied = _fused_cpu.apply_delta(stored, width, counts, values, low)
+    if applied is None:  # torch ops
+        if int(counts.to(torch.int64).sum()) != n:
+            raise BaseMismatchError(f"{entry.name}: a delta's position counts do not add up to its {n} changed elements")
+        positions = (torch.repeat_interleave(torch.arange(chunks), counts.to(torch.int64)) << _CHUNK_BITS) | (low.to(torch.int64) & 0xFFFF)
+        if n and int(positions.max()) >= numel:
+            raise BaseMismatchError(f"{entry.name}: a delta names elements beyond its {numel}")
+        _elements(stored, width)[positions] = values.view(_elements(stored, width).dtype)
+    elif not applied:
+        raise BaseMismatchError(f"{entry.name}: a delta's position counts or indices do not fit its {numel} elements and {n} changes")

@@ -45,7 +45,8 @@ def sync(sender: SenderBase, replica: ReplicaBase, buckets: list, mode: DeltaMod
 @pytest.mark.parametrize("kernel", ["c", "torch"])
 def test_a_chain_of_deltas_rebuilds_the_senders_bytes_and_its_digest(monkeypatch, kernel):
     if kernel == "torch":
-        monkeypatch.setattr(_fused_cpu, "changed_elements", lambda *args: False)
+        monkeypatch.setattr(_fused_cpu, "encode_delta", lambda *args: False)
+        monkeypatch.setattr(_fused_cpu, "apply_delta", lambda *args: None)
     sender, replica = SenderBase(), ReplicaBase()
     state = tensors()
     sent, _ = sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
@@ -118,18 +119,37 @@ def test_off_keeps_no_base():
     assert sender.nbytes() == 0 and sender.entries() == []
 
 
-def test_the_c_kernel_and_torch_find_the_same_changed_elements():
+def test_the_c_kernel_and_torch_encode_the_same_delta_and_refuse_more_than_the_cap(monkeypatch):
     gen = torch.Generator().manual_seed(0)
-    for nbytes in (7, 64, 1000, 4099 * 8):
+    for nbytes in (7, 64, 1000, 4099 * 8, (1 << 17) + 24):
         old = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
         new = old.clone()
         new[torch.randint(0, nbytes, (nbytes // 9 + 1,), generator=gen)] ^= 0x80
         for width in (1, 2, 4, 8):
             if nbytes % width:
                 continue
-            view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-            expected = (new.view(view) != old.view(view)).nonzero().view(-1)
-            got = _fused_cpu.changed_elements(new, old, width, nbytes)
-            assert got is False or torch.equal(got, expected), (nbytes, width)
-            assert got is False or _fused_cpu.changed_elements(new, old, width, expected.numel() - 1) is None
-            assert torch.equal(delta._changed_positions(new, old, width, nbytes), expected)
+            chunks = -(-nbytes // width // 65536)
+            by_c = delta._delta_parts(new, old, width, nbytes, chunks)
+            with monkeypatch.context() as patch:
+                patch.setattr(_fused_cpu, "encode_delta", lambda *args: False)
+                by_torch = delta._delta_parts(new, old, width, nbytes, chunks)
+            assert all(torch.equal(c, t) for c, t in zip(by_c, by_torch)), (nbytes, width)
+            changed = by_torch[2].numel()
+            assert delta._delta_parts(new, old, width, changed - 1, chunks) is None
+            assert delta._delta_parts(new, old, width, changed, chunks) is not None
+
+
+def test_a_delta_whose_positions_do_not_fit_is_refused_by_both_kernels(monkeypatch):
+    sender, replica = SenderBase(), ReplicaBase()
+    state = tensors()
+    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    (sent,) = sender.stream([bucket(*changed(state, 0.01))], DeltaMode.DELTA)
+    entry, payload = sent.unpack_rows()[0]
+    payload = payload.clone()
+    payload[:4].view(torch.int32)[0] += 1  # one more change counted than the delta holds
+    for kernel in ("c", "torch"):
+        with monkeypatch.context() as patch:
+            if kernel == "torch":
+                patch.setattr(_fused_cpu, "apply_delta", lambda *args: None)
+            with pytest.raises(BaseMismatchError, match="w: a delta's position counts"):
+                delta._apply(replica._entries[("w", 0)][1].clone(), payload, entry)
