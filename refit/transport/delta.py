@@ -11,7 +11,7 @@ entry `(name, row_offset)` (a rank of a sharded trainer keeps its own rows).
 The sender's base is the buckets it last produced: 1 byte per FP8 weight plus
 its scales, 2 per parameter of a tensor that travels in bf16 (embeddings,
 norms); `quantize_on="rollout"`, which sends every weight in bf16, turns
-deltas off rather than keep a second bf16 model. The replica's is a copy of
+deltas off rather than keep a second bf16 model. The replica's is a host copy of
 what it last loaded, which it patches in place.
 
 A version is named by its digest: the CRC-32 of every entry's bytes (the
@@ -140,7 +140,9 @@ class ReplicaBase:
         for entry, tensor in rows:
             key = (entry.name, entry.row_offset)
             if entry.changed is None:
-                stored = _as_bytes(tensor).clone()
+                # On the host even when the bytes arrived in GPU memory (a collective receive): a base in
+                # device memory would cost every GPU a byte per parameter; the loaders copy host tensors in.
+                stored = _as_bytes(tensor).to("cpu", copy=True)
             else:
                 base = self._entries.get(key)
                 if base is None or (base[0].dtype, base[0].shape) != (entry.dtype, entry.shape):
@@ -149,7 +151,7 @@ class ReplicaBase:
                         f"{entry.dtype} {list(entry.shape)}; it needs a full sync"
                     )
                 stored = base[1]
-                _apply(stored, _as_bytes(tensor), entry)
+                _apply(stored, _as_bytes(tensor).cpu(), entry)
                 if crc32(stored) != entry.crc32:
                     raise BaseMismatchError(
                         f"{entry.name}: rebuilt from this replica's base and the delta, its bytes differ from the "
