@@ -124,3 +124,14 @@ def alter_delta_base(rollout) -> str:
     (name, _), (_, stored) = next(iter(entries.items()))
     stored[0] ^= 0xFF
     return name
+
+
+STARTUP_S = 900
+"""How long a test waits for an actor's constructor (an engine's start takes minutes on a loaded 2-core machine);
+deadlines that test behaviour start after it."""
+
+
+def started(actor):
+    """`actor` once its constructor has finished (its own error if it failed); test deadlines count from here."""
+    ray.get(actor.__ray_ready__.remote(), timeout=STARTUP_S)
+    return actor

@@ -19,7 +19,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from refit import Phase
 from refit.transport.collective import Rendezvous, RendezvousHost
-from tests.support.actors import node_id, run_in, save
+from tests.support.actors import node_id, run_in, save, started
 from tests.support.checkpoints import write_fp8_block_checkpoint
 from tests.support.faults import kill_during_syncs
 
@@ -42,7 +42,7 @@ def setup(module_actors):
 
 
 def served(replica):
-    return ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True), timeout=120)
+    return ray.get(started(replica).generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True), timeout=120)
 
 
 def max_abs_diff(a, b) -> float:

@@ -23,6 +23,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
+from tests.support.actors import STARTUP_S
 from tests.support.server import RefitServer, free_port, http_json
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
@@ -144,7 +145,7 @@ def test_an_unreachable_url_fails_the_replica_naming_the_url_and_what_to_do(ray_
     replica = actors.ServerRollout.remote(url, connect_timeout_s=5)
     try:
         with pytest.raises(ray.exceptions.ActorDiedError, match=rf"{url} could not be reached.*refit serve"):
-            ray.get(replica.status.remote(), timeout=60)
+            ray.get(replica.status.remote(), timeout=STARTUP_S)  # the constructor's failure, however long its imports take
     finally:
         ray.kill(replica)
 
