@@ -21,7 +21,7 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.checksums import crc32
 
-__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "assemble_bucket", "element_view", "pack_bucket"]
+__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "element_view", "pack_bucket"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -169,7 +169,7 @@ def pack_bucket(
 
 def assemble_bucket(index: int, items: Iterable[tuple[WireTensor, torch.Tensor]]) -> WireBucket:
     """A bucket of entries whose bytes exist already (a delta's payloads); each entry's offset and size are set here."""
-    items = [(entry, tensor.contiguous().view(-1).view(torch.uint8)) for entry, tensor in items]
+    items = [(entry, as_bytes(tensor)) for entry, tensor in items]
     offsets, offset = [], 0
     for _, raw in items:
         offsets.append(offset)
@@ -181,6 +181,11 @@ def assemble_bucket(index: int, items: Iterable[tuple[WireTensor, torch.Tensor]]
         flat[start : start + raw.numel()] = raw
         table.append(dataclasses.replace(entry, offset=start, nbytes=raw.numel()))
     return WireBucket(index, tuple(table), buffer)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in row-major order, as a flat uint8 tensor (a view when it is contiguous)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def element_view(dtype: str) -> torch.dtype:

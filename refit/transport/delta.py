@@ -41,7 +41,7 @@ import torch
 
 from refit.errors import VerificationError
 from refit.quantizer import _fused_cpu
-from refit.transport.buckets import WireBucket, WireTensor, assemble_bucket, element_view
+from refit.transport.buckets import WireBucket, WireTensor, as_bytes, assemble_bucket, element_view
 from refit.transport.checksums import crc32
 
 __all__ = ["BaseMismatchError", "DeltaMode", "ReplicaBase", "SenderBase", "version_digest"]
@@ -95,24 +95,24 @@ class SenderBase:
             yield from buckets
             return
         for bucket in buckets:
-            delta = self._delta(bucket) if mode in (DeltaMode.DELTA, DeltaMode.BOTH) else None
-            for row in bucket.unpack_rows():
-                self._entries[(row[0].name, row[0].row_offset)] = (row[0], _as_bytes(row[1]))
+            rows = [(entry, as_bytes(tensor)) for entry, tensor in bucket.unpack_rows()]
+            delta = self._delta(bucket.index, rows) if mode in (DeltaMode.DELTA, DeltaMode.BOTH) else None
+            for entry, raw in rows:
+                self._entries[(entry.name, entry.row_offset)] = (entry, raw)
             if mode is not DeltaMode.DELTA:
                 yield bucket
             if delta is not None:
                 yield delta
 
-    def _delta(self, bucket: WireBucket) -> WireBucket:
+    def _delta(self, index: int, rows: list[Row]) -> WireBucket:
         items: list[tuple[WireTensor, torch.Tensor]] = []
-        for entry, tensor in bucket.unpack_rows():
-            new = _as_bytes(tensor)
+        for entry, new in rows:
             base = self._entries.get((entry.name, entry.row_offset))
             payload = None
             if base is not None and (base[0].dtype, base[0].shape) == (entry.dtype, entry.shape):
                 payload = _encode(new, base[1], entry.dtype)
             items.append((entry, new) if payload is None else (dataclasses.replace(entry, changed=payload[0]), payload[1]))
-        return assemble_bucket(bucket.index, items)
+        return assemble_bucket(index, items)
 
 
 class ReplicaBase:
@@ -142,7 +142,7 @@ class ReplicaBase:
             if entry.changed is None:
                 # On the host even when the bytes arrived in GPU memory (a collective receive): a base in
                 # device memory would cost every GPU a byte per parameter; the loaders copy host tensors in.
-                stored = _as_bytes(tensor).to("cpu", copy=True)
+                stored = as_bytes(tensor).to("cpu", copy=True)
             else:
                 base = self._entries.get(key)
                 if base is None or (base[0].dtype, base[0].shape) != (entry.dtype, entry.shape):
@@ -151,7 +151,7 @@ class ReplicaBase:
                         f"{entry.dtype} {list(entry.shape)}; it needs a full sync"
                     )
                 stored = base[1]
-                _apply(stored, _as_bytes(tensor).cpu(), entry)
+                _apply(stored, as_bytes(tensor).cpu(), entry)
                 if crc32(stored) != entry.crc32:
                     raise BaseMismatchError(
                         f"{entry.name}: rebuilt from this replica's base and the delta, its bytes differ from the "
@@ -178,10 +178,6 @@ class ReplicaBase:
         self._digest, self._changed = None, False
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
-
-
 def _elements(raw: torch.Tensor, width: int) -> torch.Tensor:
     """Bytes as integers `width` bytes wide: equal bytes <=> equal integers, NaN or not."""
     return raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
@@ -191,10 +187,14 @@ def _round8(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
+def _chunks(numel: int) -> int:
+    """How many 65536-element chunks a delta counts changes in."""
+    return -(-numel // (1 << _CHUNK_BITS))
+
+
 def _layout(numel: int, changed: int, width: int) -> tuple[int, int, int]:
     """Byte offsets of the values and the low positions, and the payload's size."""
-    chunks = -(-numel // (1 << _CHUNK_BITS))
-    values = _round8(4 * chunks)
+    values = _round8(4 * _chunks(numel))
     low = values + _round8(width * changed)
     return values, low, low + 2 * changed
 
@@ -221,14 +221,14 @@ def _delta_parts(
         return None
     counts = torch.bincount(positions >> _CHUNK_BITS, minlength=chunks).to(torch.int32)
     low = (positions & 0xFFFF).to(torch.int32).to(torch.int16)  # the low 16 bits, as a bit pattern
-    return counts, _as_bytes(_elements(new, width)[positions]), low
+    return counts, as_bytes(_elements(new, width)[positions]), low
 
 
 def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torch.Tensor] | None:
     """(changed elements, payload bytes), or None when the whole entry is no larger."""
     width = element_view(dtype).itemsize
     numel = new.numel() // width
-    chunks = -(-numel // (1 << _CHUNK_BITS))
+    chunks = _chunks(numel)
     cap = (new.numel() - 8 - _layout(numel, 0, width)[2]) // (2 + width)  # at most this many for a smaller payload
     parts = _delta_parts(new, old, width, cap, chunks) if cap >= 0 else None
     if parts is None:
@@ -238,9 +238,9 @@ def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torc
     if size >= new.numel():
         return None
     payload = torch.zeros(size, dtype=torch.uint8)
-    payload[: 4 * chunks] = _as_bytes(counts)
+    payload[: 4 * chunks] = as_bytes(counts)
     payload[values_at : values_at + values.numel()] = values
-    payload[low_at:] = _as_bytes(low)
+    payload[low_at:] = as_bytes(low)
     return low.numel(), payload
 
 
@@ -251,7 +251,7 @@ def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> No
     values_at, low_at, size = _layout(numel, n, width)
     if payload.numel() != size:
         raise BaseMismatchError(f"{entry.name}: a delta of {payload.numel()} bytes cannot hold {n} changed elements")
-    chunks = -(-numel // (1 << _CHUNK_BITS))
+    chunks = _chunks(numel)
     counts, low = payload[: 4 * chunks].view(torch.int32), payload[low_at:].view(torch.int16)
     values = payload[values_at : values_at + n * width]
     applied = _fused_cpu.apply_delta(stored, width, counts, values, low)
