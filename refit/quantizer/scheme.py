@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compressed_tensors.utils.match import match_name
-
 from refit.errors import UnsupportedSchemeError
 
 __all__ = ["Fp8BlockScheme"]
@@ -80,6 +78,9 @@ class Fp8BlockScheme:
         `module_classes` are the class names of the module's MRO (the trainer
         reports them), matched as compressed-tensors matches classes.
         """
+        # Imported here, where a plan is made (the driver): compressed-tensors takes seconds to import, and a
+        # trainer's first `describe_weights` or stream would pay them inside the sync's deadline.
+        from compressed_tensors.utils.match import match_name
 
         def matches(pattern: str) -> bool:
             return match_name(module_name, pattern) or pattern in module_classes
