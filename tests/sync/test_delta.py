@@ -8,12 +8,17 @@ reference for every delta sync is a full sync of the same trainer state
 
 from __future__ import annotations
 
+import _thread
+import signal
+import threading
+import time
+
 import pytest
 import ray
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
-from tests.support.actors import alter_delta_base, run_in, set_parameter
+from tests.support.actors import alter_delta_base, buckets_loaded, hold_update_lock, run_in, set_parameter
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=17)
 SMALL = refit.SyncConfig(bucket_bytes=256 << 10, timeout_s=60)  # several buckets, so "both" mode interleaves
@@ -130,3 +135,40 @@ def test_over_the_collective_transport_each_worker_rebuilds_the_delta(trainer, s
     by_delta = serve(first)
     assert same_output(by_delta, serve(second))
     assert same_output(by_delta, full_sync_of_the_same_state(trainer, second))
+
+
+def test_a_delta_sync_interrupted_mid_stream_leaves_no_base_that_could_mix_versions(trainer, shared_replicas):
+    """The driver stops once a replica has patched part of its base: that base holds no version any more, so the next
+    sync sends whole buckets, and the one after it a delta again, serving what a full sync serves."""
+    first, second = shared_replicas
+    syncer = refit.Syncer(trainer, [first, second], refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=60))
+    syncer.sync()
+    step(trainer, 40)
+    seen: list[int] = []
+
+    def interrupt_mid_stream() -> None:
+        deadline = time.monotonic() + 120
+        while run_in(second, buckets_loaded) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Holding its update lock stalls the replica's next load and its finish: the sync cannot end before the interrupt.
+        run_in(second, hold_update_lock, 3.0)
+        seen.append(run_in(second, buckets_loaded))
+        _thread.interrupt_main()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see test_faults: interrupt_main needs it
+    threading.Thread(target=interrupt_mid_stream, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            syncer.sync()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen and seen[0] >= 3, seen  # interrupted with buckets loaded and the update open
+    assert ray.get(second.base_digest.remote("ray"), timeout=60) is None
+
+    report = syncer.sync()
+    assert report.replicas[1].mode == "full", report.summary()
+    step(trainer, 41)
+    report = syncer.sync()
+    assert [r.mode for r in report.replicas] == ["delta", "delta"], report.summary()
+    assert same_output(serve(first), serve(second))
+    assert same_output(serve(second), full_sync_of_the_same_state(trainer, first))
