@@ -131,7 +131,13 @@ STARTUP_S = 900
 deadlines that test behaviour start after it."""
 
 
+def all_started(*actors) -> None:
+    """Return once every actor's constructor has finished (the first one's error if one failed); test deadlines count
+    from here. The starts overlap: one wait for all."""
+    ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=STARTUP_S)
+
+
 def started(actor):
-    """`actor` once its constructor has finished (its own error if it failed); test deadlines count from here."""
-    ray.get(actor.__ray_ready__.remote(), timeout=STARTUP_S)
+    """`actor` once its constructor has finished (`all_started`)."""
+    all_started(actor)
     return actor

@@ -8,7 +8,7 @@ must show a new version, so serving "the trainer's weights" tells versions
 apart (two seeds agree on under 55% of first tokens, a synced replica on
 over 80%: tests/support/serving.py).
 
-Deadlines are measured once every actor is up (`wait_for`), never from
+Deadlines are measured once every actor is up (`all_started`), never from
 construction; kills follow the victim's own progress (`kill_mid_stream`),
 not a clock, so neither depends on how loaded the machine is.
 """
@@ -24,7 +24,7 @@ import ray
 import refit
 from fixtures import model_dir
 from refit import Phase
-from tests.support.actors import hold_update_lock, redraw, run_in
+from tests.support.actors import all_started, hold_update_lock, redraw, run_in
 from tests.support.faults import kill_mid_stream
 from tests.support.serving import assert_serves, status
 
@@ -42,10 +42,6 @@ def victims(module_actors):
     """Two replicas like the session's, started together (their starts overlap the first tests), each killed by one test."""
     return [module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
             for _ in range(2)]
-
-
-def wait_for(*actors) -> None:
-    ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=900)
 
 
 def is_dead(actor) -> bool:
@@ -74,7 +70,7 @@ def test_a_replica_that_joins_serves_after_the_next_sync_and_one_killed_mid_sync
 ):
     """Issue 22: one of three replicas killed mid-stream; the other two complete the sync and serve its version."""
     victim = victims[transport == "collective"]
-    wait_for(trainer, victim, *shared_replicas)
+    all_started(trainer, victim, *shared_replicas)
     config = dataclasses.replace(SMALL, transport=transport)
     with refit.Syncer(trainer, shared_replicas, config) as syncer:
         syncer.sync()  # planned, and the session replicas made whole
@@ -105,7 +101,7 @@ def test_a_replica_that_joins_serves_after_the_next_sync_and_one_killed_mid_sync
 @pytest.mark.parametrize("transport", ["ray", "collective"])
 def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_replicas, trainer, transport):
     """Over `collective` the group is made again without it, and once more when it is back."""
-    wait_for(trainer, *shared_replicas)
+    all_started(trainer, *shared_replicas)
     syncer = refit.Syncer(trainer, shared_replicas, dataclasses.replace(SMALL, timeout_s=10, transport=transport))
     served = syncer.sync().version
     run_in(shared_replicas[0], hold_update_lock, 25.0)  # its begin waits for the lock well past the deadline
@@ -130,7 +126,7 @@ def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_r
 
 
 def test_a_removed_replica_is_left_as_it_is_and_the_others_are_synced(shared_replicas, trainer):
-    wait_for(trainer, *shared_replicas)
+    all_started(trainer, *shared_replicas)
     syncer = refit.Syncer(trainer, shared_replicas, SMALL)
     before = syncer.sync().version
     assert syncer.remove_replica(shared_replicas[1]) == "rollout 1"  # by handle (also by id or name)
