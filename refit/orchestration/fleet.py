@@ -45,6 +45,12 @@ class GroupBroken(Exception):
         super().__init__(", ".join(f"{who} {how}" for who, how, _ in lost))
         self.lost = lost
 
+    @classmethod
+    def among(cls, lost: list[Lost]) -> GroupBroken:
+        """The group broken by `lost`, keeping only the dead if any died: the others' missing answers are
+        then its echo (they wait on the group it broke), not losses of their own."""
+        return cls([item for item in lost if item[1] == "died"] or lost)
+
 
 class Roll:
     """The members still in one sync (name, handle), in the Syncer's order, and those dropped from it."""

@@ -65,6 +65,7 @@ from refit.engine.lifecycle import FinishedUpdate
 from refit.errors import ActorDiedError, ConfigError, EngineError, LifecycleError, PlanMismatchError, VerificationError
 from refit.orchestration.calls import (
     BucketStream,
+    Outcome,
     call_all,
     dead_members,
     is_actor,
@@ -403,8 +404,8 @@ class Syncer:
             pending = [(who, ref) for who, ref in in_flight.popleft() if roll.has(who)]  # none for the dropped
             outcomes = wait_all(pending, "load_bucket", timeout_s=timeout, until_a_death=one_group)
             lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
-            if lost and one_group:  # after a death, the others' missing answers are its echo: they wait on its group
-                raise GroupBroken([item for item in lost if item[1] == "died"] or lost)
+            if lost and one_group:
+                raise GroupBroken.among(lost)
             for who, spent in roll.settle(outcomes, sync_id).items():
                 seconds[who] += spent
             progress.update()
@@ -543,13 +544,13 @@ class Syncer:
         timeout = self.config.timeout_s
         if self._group is not None:
             same_fleet = self._group_replicas == tuple(who for who, _ in members)
-            groups = raise_first_error(call_all(self._sources + members, "transport_group", timeout_s=timeout)) if same_fleet else []
+            groups = self._group_answers(call_all(self._sources + members, "transport_group", timeout_s=timeout)) if same_fleet else []
             if same_fleet and all(g == self._group.rendezvous.group_id for g in groups):
                 return self._group.rendezvous
             log.info("collective group %s: %s; making a new one", self._group.rendezvous.group_id,
                      "a member left it" if same_fleet else "the fleet changed")
             self._disconnect(members)
-        ranks = raise_first_error(call_all(members, "transport_ranks", timeout_s=timeout))
+        ranks = self._group_answers(call_all(members, "transport_ranks", timeout_s=timeout))
         senders = [who for who, _ in self._sources]
         names = senders + [f"{who} worker {w}" for (who, _), n in zip(members, ranks) for w in range(n)]
         self._group = RendezvousHost(names, timeout, senders=len(senders))
@@ -561,14 +562,31 @@ class Syncer:
             pending += submit_all([source], "join_transport", rendezvous, member)
         for replica, offset in zip(members, offsets):
             pending += submit_all([replica], "join_transport", rendezvous, offset, sync_id)
-        # Members give up on a missing one at the deadline and name it: wait a little longer for that answer.
+        # Members give up on a missing one at the deadline and name it: wait a little longer for that answer,
+        # unless a member is gone: then the others are told at once (`abandon`), not left to wait it out.
         try:
-            raise_first_error(wait_all(pending, "join_transport", timeout_s=timeout + 10))
-        except BaseException:
+            self._group_answers(wait_all(pending, "join_transport", timeout_s=timeout + 10, until_a_death=True))
+        except BaseException as error:
+            self._group.abandon(f"{summary(error)}; the sync begins again or fails")
             self._disconnect(members)
             raise
         log.info("collective group %s: %d members (%s)", rendezvous.group_id, len(names), ", ".join(names))
         return rendezvous
+
+    def _group_answers(self, outcomes: list[Outcome]) -> list[Any]:
+        """The answers to a call that checks or forms the collective group; a replica lost meanwhile raises `GroupBroken`.
+
+        Why not the first error: a replica lost while the group forms (its
+        actor dead, its `vllm serve` server gone while the actor lives, or
+        silent) fails the others' joins as an echo, and its actor may still
+        answer Ray. Acting on the loss lets the survivors begin again without
+        it, as a loss mid-broadcast does.
+        """
+        senders = dict(self._sources)
+        lost = [(o.who, how, o.error) for o in outcomes if o.who not in senders and (how := loss(o))]
+        if lost:
+            raise GroupBroken.among(lost)
+        return raise_first_error(outcomes)
 
     def _disconnect(self, members: list[tuple[str, Any]] | None = None) -> None:
         """The trainer ranks and `members` (default: the fleet) leave the group (bounded, best effort: a dead member has left already)."""

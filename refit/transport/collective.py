@@ -89,6 +89,17 @@ class RendezvousHost:
         )
         self.rendezvous = Rendezvous(host, self._store.port, uuid.uuid4().hex[:12], tuple(members), float(timeout_s), senders)
 
+    def abandon(self, reason: str) -> None:
+        """Tell members still waiting for the others to join that the group will not form, and why.
+
+        Why: a member lost while the group forms (a replica's server that
+        died) never joins, and the others would wait out the whole deadline
+        in `join`, holding their update threads, before the survivors can
+        begin again without it.
+        """
+        if self._store is not None:
+            _group_store(self._store, self.rendezvous).set("abandoned", reason)
+
     def close(self) -> None:
         self._store = None
 
@@ -108,7 +119,8 @@ class CollectiveGroup:
     def join(cls, rendezvous: Rendezvous, member: int) -> list[CollectiveGroup]:
         """Join as `member`: a sender its own channel, a worker every sender's channel, in channel order.
 
-        Blocks until every member has joined, or raises naming who did not.
+        Blocks until every member has joined, or raises naming who did not
+        (or, once the driver abandoned the group, saying why).
         """
         if not 0 <= member < rendezvous.world_size:
             raise TransportError(f"member {member} is outside group {rendezvous.group_id} of {rendezvous.world_size} members")
@@ -116,7 +128,7 @@ class CollectiveGroup:
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         _reach(rendezvous, deadline)
         store = torch.distributed.TCPStore(rendezvous.host, rendezvous.port, is_master=False, timeout=timeout)
-        members = torch.distributed.PrefixStore(f"refit/{rendezvous.group_id}/", store)
+        members = _group_store(store, rendezvous)
         members.set(f"joined/{member}", rendezvous.members[member])
         _wait_for_members(members, rendezvous, deadline)
         channels = [member] if member < rendezvous.senders else range(rendezvous.senders)
@@ -268,6 +280,11 @@ def _this_host() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _group_store(store, rendezvous: Rendezvous):
+    """The group's own keys in a rendezvous store (a driver may host several groups over time)."""
+    return torch.distributed.PrefixStore(f"refit/{rendezvous.group_id}/", store)
+
+
 def _reach(rendezvous: Rendezvous, deadline: float) -> None:
     """Connect once by hand first: torch's store client retries silently and then raises a C++ trace."""
     while True:
@@ -287,6 +304,8 @@ def _reach(rendezvous: Rendezvous, deadline: float) -> None:
 def _wait_for_members(store, rendezvous: Rendezvous, deadline: float) -> None:
     keys = [f"joined/{rank}" for rank in range(rendezvous.world_size)]
     while not store.check(keys):
+        if store.check(["abandoned"]):
+            raise TransportError(f"collective group {rendezvous.group_id} will not form: {store.get('abandoned').decode()}")
         if time.monotonic() >= deadline:
             missing = [name for rank, name in enumerate(rendezvous.members) if not store.check([f"joined/{rank}"])]
             raise SyncTimeoutError(

@@ -18,10 +18,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import ray
+
+from actors._replica_shell import CONCURRENCY_GROUPS, ReplicaShell
 from fixtures.cluster import QUIET_ENV
+from refit.engine.server import server_replica
 from tests.support.scripts import REPO
 
-__all__ = ["RefitServer", "free_port", "http_json"]
+__all__ = ["RefitServer", "ServerDyingAfterBegin", "free_port", "http_json"]
 
 
 def free_port() -> int:
@@ -83,3 +87,22 @@ class RefitServer:
             except ProcessLookupError:
                 pass
         self.process.wait(timeout=30)
+
+
+@ray.remote(num_cpus=0, concurrency_groups=CONCURRENCY_GROUPS)
+class ServerDyingAfterBegin(ReplicaShell):
+    """`actors.ServerRollout` for the server at `url`, whose process group `pgid` is killed once an update began.
+
+    A crash at a chosen point: the sync goes on to form its collective group with a replica whose actor
+    lives and whose server is gone.
+    """
+
+    def __init__(self, url: str, pgid: int) -> None:
+        self.replica = server_replica(url)
+        self._pgid = pgid
+
+    @ray.method(concurrency_group="update")
+    def begin_update(self, plan, sync_id, config) -> int:
+        version = self.replica.begin_update(plan, sync_id, config)
+        os.killpg(self._pgid, signal.SIGKILL)
+        return version

@@ -24,7 +24,7 @@ from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.actors import STARTUP_S
-from tests.support.server import RefitServer, free_port, http_json
+from tests.support.server import RefitServer, ServerDyingAfterBegin, free_port, http_json
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
 COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
@@ -184,8 +184,12 @@ def test_a_fleet_drops_its_server_killed_mid_sync_and_takes_a_replica_that_joins
 
 
 def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, module_actors,
-                                                                                            tmp_path):
-    """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it."""
+                                                                                            shared_replicas, tmp_path):
+    """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it.
+
+    Then that server dies after its replica began an update, as the sync forms a new collective group:
+    the replica's actor lives on, but it is lost all the same, and the survivor serves the sync.
+    """
     trainer, _, replica, _, _ = synced
     restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port)
     try:
@@ -196,5 +200,17 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
         report = refit.sync(trainer, fresh, COLLECTIVE)
         assert http_json(restarted.url + "/weight_info")["weight_version"] == str(report.version)
         assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
+
+        other, _ = shared_replicas
+        dying = module_actors.keep(ServerDyingAfterBegin.options(resources={"node2": 0.01}).remote(restarted.url, restarted.process.pid))
+        ray.get(dying.__ray_ready__.remote(), timeout=STARTUP_S)
+        with refit.Syncer(trainer, [other, dying], COLLECTIVE) as syncer:
+            report = syncer.sync()
+        (dropped,) = report.dropped
+        assert (dropped.replica, dropped.stage, dropped.cause) == (1, "connect", "died") and restarted.url in dropped.error
+        assert [r.replica for r in report.replicas] == [0] and report.attempts == 2
+        # The others were told the group would not form, rather than waiting out its deadline for the dead server.
+        assert report.total_seconds < COLLECTIVE.timeout_s
+        assert ray.get(other.status.remote(), timeout=120).served_version == report.version
     finally:
         restarted.stop()

@@ -88,6 +88,20 @@ def test_a_member_that_never_joins_fails_the_others_naming_it():
     host.close()
 
 
+def test_members_waiting_for_one_that_is_gone_stop_when_the_driver_abandons_the_group():
+    host = RendezvousHost(["trainer", "rollout 0 worker 0", "rollout 1 worker 0"], timeout_s=120)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(CollectiveGroup.join, host.rendezvous, member) for member in (0, 1)]
+        time.sleep(0.5)  # both wait for rollout 1, whose server died
+        start = time.monotonic()
+        host.abandon("rollout 1 died")
+        for future in futures:
+            with pytest.raises(TransportError, match=rf"group {host.rendezvous.group_id} will not form: rollout 1 died"):
+                future.result(timeout=30)
+    assert time.monotonic() - start < 10  # not the group's 120 s deadline
+    host.close()
+
+
 def test_a_rendezvous_nobody_hosts_is_refused_with_its_address():
     rendezvous = Rendezvous("127.0.0.1", 1, "nobody", ("trainer", "worker"), timeout_s=1.0)
     with pytest.raises(TransportError, match=r"cannot reach the rendezvous .* at 127.0.0.1:1"):
