@@ -8,6 +8,10 @@ warm-up:
 - refit's full sync over `ray` and over `collective`, with checksums (the
   default) and with `verify="off"` (the rollout forgets its delta base before
   each, so every sync sends every byte; `bench_delta` measures deltas);
+- the default sync from a second trainer on the rollout's own node: one
+  host's Ray node, where the rollout reads each bucket from its node's
+  object store without a copy between raylets, as the round trip shares one
+  host's /dev/shm;
 - bf16 on the wire, quantized on the rollout (`quantize_on="rollout"`: the
   verl and NeMo-RL pattern), through refit;
 - one remote call per tensor (`bucket_bytes=1`: every tensor travels alone,
@@ -48,6 +52,7 @@ import ray
 import torch
 
 import refit
+from actors import TrainerActor
 from benchmarks import _instruments as instruments
 from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
 from fixtures.cluster import local_cluster
@@ -57,6 +62,7 @@ from tests.support.actors import run_in
 ROUND_TRIP = "round trip (/dev/shm)"
 CLONE = "clone (bandwidth floor)"
 DEFAULT = "refit ray, checksums (default)"
+ONE_NODE = "refit ray, default, one node"
 
 
 def refit_paths(bucket_bytes: int) -> dict[str, refit.SyncConfig]:
@@ -151,11 +157,16 @@ def clone_weights(trainer) -> float:
 
 def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scratch: Path,
                  only: list[str] | None = None) -> SizeResult:
-    trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(scratch / f"{layers}x{hidden}", layers, hidden))
+    bf16, fp8 = synthetic_checkpoints(scratch / f"{layers}x{hidden}", layers, hidden)
+    trainer, rollout = start_trainer_and_rollout(bf16, fp8)
+    wanted = [name for name in [*refit_paths(bucket_bytes), ONE_NODE]
+              if name == DEFAULT or not only or any(word in name for word in only)]
+    beside = TrainerActor.options(num_cpus=0, resources={"node1": 0.01}).remote(str(bf16)) if ONE_NODE in wanted else None
     try:
-        paths = {name: config for name, config in refit_paths(bucket_bytes).items()
-                 if name == DEFAULT or not only or any(word in name for word in only)}
+        paths = {name: config for name, config in refit_paths(bucket_bytes).items() if name in wanted}
         syncers = {name: refit.Syncer(trainer, rollout, config) for name, config in paths.items()}
+        if beside is not None:
+            syncers[ONE_NODE] = refit.Syncer(beside, rollout, paths[DEFAULT])
         results = {name: PathResult() for name in [*syncers, ROUND_TRIP, CLONE]}
         for syncer in syncers.values():  # warm-up: actors started, plans made, kernels built, pages touched
             syncer.sync()
@@ -182,8 +193,9 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
         return SizeResult(layers, hidden, sum(t.source_bytes for t in plan.tensors), plan.wire_bytes,
                           len(plan.buckets), results, largest, detail, memory)
     finally:
-        for actor in (trainer, rollout):
-            ray.kill(actor)
+        for actor in (trainer, rollout, beside):
+            if actor is not None:
+                ray.kill(actor)
 
 
 def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
