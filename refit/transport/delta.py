@@ -94,6 +94,9 @@ class SenderBase:
             self._entries.clear()
             yield from buckets
             return
+        if mode is DeltaMode.FULL:
+            # Nothing is diffed against the old base: freed first, it is not held beside the new one's buckets.
+            self._entries.clear()
         for bucket in buckets:
             rows = [(entry, as_bytes(tensor)) for entry, tensor in bucket.unpack_rows()]
             delta = self._delta(bucket.index, rows) if mode in (DeltaMode.DELTA, DeltaMode.BOTH) else None
