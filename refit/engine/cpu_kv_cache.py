@@ -21,9 +21,9 @@ On those CPUs only, and only for FP8 caches, this replaces two steps of
 The scales are read from the layer at every call, as vLLM's kernel reads
 them, so a stale or placeholder scale corrupts generations here exactly as it
 does on other hardware: the seed bug reproduces, and the post-refit stage is
-tested against it. Slow (decode steps are batched, but prefills run one
-request at a time per layer), which does not matter for the small models it
-serves in tests. Everywhere else
+tested against it. Slow (requests are batched only with others of as many
+queries: decode steps together, prompts of one length together), which does
+not matter for the small models it serves in tests. Everywhere else
 (AVX-512, AMX, other architectures, non-FP8 caches) vLLM's kernels run as
 they are.
 """
@@ -139,9 +139,11 @@ def attend_fp8(
 
     `query` [tokens, heads, head_size]; a request's queries are the last
     tokens of its sequence (`seq_lens` counts the cached context and them).
-    Decode steps (one query each) are attended together, padded to the
-    longest; longer query runs (prefill) one request at a time, so padding
-    never multiplies a long prompt by the batch.
+    Requests with as many queries are attended together: decode steps (one
+    query each), and prompts of one length (an RL batch samples each prompt
+    several times), padded only to the longest cached context among them.
+    Query runs are never padded, so a long prompt is not multiplied by a
+    batch of short ones.
     """
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
@@ -162,11 +164,9 @@ def attend_fp8(
         attended = _attend(query[tokens], keys, values, allowed, scale, softcap)
         output.view(output.shape[0], *query.shape[1:])[tokens] = attended.to(output.dtype)
 
-    decoding = torch.nonzero(query_lens == 1).flatten()
-    if decoding.numel():
-        attend(decoding, 1)
-    for request in torch.nonzero(query_lens > 1).flatten().tolist():
-        attend(torch.tensor([request]), int(query_lens[request]))
+    for queries in torch.unique(query_lens).tolist():
+        if queries > 0:
+            attend(torch.nonzero(query_lens == queries).flatten(), queries)
 
 
 def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

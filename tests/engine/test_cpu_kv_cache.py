@@ -48,10 +48,11 @@ def test_an_unknown_cache_dtype_is_named():
 def test_attention_equals_sdpa_over_the_dequantized_cache(sliding_window):
     torch.manual_seed(0)
     fmt, k_scale, v_scale, scale = torch.float8_e4m3fn, 0.3, 0.7, HEAD_SIZE**-0.5
-    lengths, queries = [47, 70, 33], [7, 1, 1]  # a prefill after cached context, and two decode steps
-    key_cache = torch.zeros(8, KV_HEADS, BLOCK, HEAD_SIZE, dtype=torch.uint8)
+    # Two prefills of one length (attended together) after unequal cached contexts, and two decode steps.
+    lengths, queries = [47, 70, 33, 20], [7, 1, 1, 7]
+    key_cache = torch.zeros(9, KV_HEADS, BLOCK, HEAD_SIZE, dtype=torch.uint8)
     value_cache = torch.zeros_like(key_cache)
-    block_table = torch.tensor([[5, 2, 7], [0, 6, 3], [4, 1, 0]])  # the last row padded with block 0
+    block_table = torch.tensor([[5, 2, 7], [0, 6, 3], [4, 1, 0], [8, 0, 0]])  # short rows padded with block 0
     keys = [torch.randn(n, KV_HEADS, HEAD_SIZE) for n in lengths]
     values = [torch.randn(n, KV_HEADS, HEAD_SIZE) for n in lengths]
     for request, n in enumerate(lengths):
@@ -61,7 +62,7 @@ def test_attention_equals_sdpa_over_the_dequantized_cache(sliding_window):
         store_fp8(values[request], value_cache, slots, v_scale, fmt)
     query = torch.randn(sum(queries), HEADS, HEAD_SIZE)
     output = torch.empty_like(query)
-    attend_fp8(query, key_cache, value_cache, output, query_start_loc=torch.tensor([0, 7, 8, 9]),
+    attend_fp8(query, key_cache, value_cache, output, query_start_loc=torch.tensor([0, 7, 8, 9, 16]),
                seq_lens=torch.tensor(lengths), block_table=block_table, scale=scale, k_scale=k_scale,
                v_scale=v_scale, fmt=fmt, sliding_window=sliding_window)
 
