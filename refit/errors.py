@@ -90,5 +90,10 @@ class SyncTimeoutError(RefitError, TimeoutError):
     """A remote call of a sync missed its deadline (a dead or hung trainer or replica)."""
 
 
+class EngineHungError(SyncTimeoutError):
+    """A replica's engine did not answer within the sync's deadline while the replica's actor answers (a hung or
+    overloaded `vllm serve` server): a fleet drops it as it drops an actor that missed the deadline."""
+
+
 class TransportError(RefitError, RuntimeError):
     """A transport cannot carry a sync: an unreachable rendezvous, a group a member left, no CUDA for `ipc`."""

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_alternatives import CLONE, DEFAULT, ROUND_TRIP, refit_paths
+from benchmarks.bench_alternatives import CLONE, DEFAULT, ONE_NODE, ROUND_TRIP, refit_paths
 from tests.support.scripts import run_python
 
 
@@ -15,7 +15,7 @@ from tests.support.scripts import run_python
 def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_cluster, tmp_path):
     out = run_python(["-m", "benchmarks.bench_alternatives", "--sizes", "2x256", "--repeats", "1", "--out", str(tmp_path)],
                      ray_address=ray_cluster.address)
-    paths = [*refit_paths(1 << 20), ROUND_TRIP, CLONE]
+    paths = [*refit_paths(1 << 20), ONE_NODE, ROUND_TRIP, CLONE]
     for name in paths:
         assert f"  {name}" in out, out
     summary = json.loads((tmp_path / "bench.json").read_text())

@@ -57,9 +57,10 @@ from typing import Any
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore
 from refit.engine.worker_rpc import decode_reply, encode_call
-from refit.errors import ConfigError, EngineError, ServerError, ServerGoneError, SyncTimeoutError
+from refit.errors import ConfigError, EngineError, EngineHungError, ServerError, ServerGoneError
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
+from refit.transport.collective import JOIN_MARGIN_S
 
 __all__ = ["DEV_MODE_ENV", "ServerAdapter", "serve_arguments", "server_replica"]
 
@@ -67,8 +68,6 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 """The environment a server needs: vLLM registers `/collective_rpc`, `/pause` and the RL routes only in dev mode."""
 
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
-# A join blocks until every member of the group joined (its own deadline): the HTTP call waits a little longer.
-_JOIN_MARGIN_S = 10.0
 
 
 def serve_arguments(options: Sequence[str], *, on_gpu: bool) -> list[str]:
@@ -146,7 +145,8 @@ class ServerAdapter:
             )
 
     def call_workers(self, method: str, *args: Any) -> list:
-        timeout_s = self.timeout_s + (_JOIN_MARGIN_S if method == "refit_join_group" else 0.0)
+        # A join blocks until every member joined, within the group's own deadline: the HTTP call waits a margin more.
+        timeout_s = self.timeout_s + (JOIN_MARGIN_S if method == "refit_join_group" else 0.0)
         return self._call_workers_once(method, *args, timeout_s=timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, prompt_logprobs: bool = False) -> Generation:
@@ -223,7 +223,7 @@ class ServerAdapter:
         except urllib.error.HTTPError as error:
             raise self._refused(what, path, error.code, error.read().decode(errors="replace")) from None
         except TimeoutError:
-            raise SyncTimeoutError(
+            raise EngineHungError(
                 f"the server at {self.url} did not answer {what} within {timeout_s:.0f} s (SyncConfig.timeout_s); "
                 "it is hung or overloaded"
             ) from None

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refit.errors import ActorDiedError, EngineGoneError, SyncTimeoutError, TransportError
+from refit.errors import ActorDiedError, EngineGoneError, EngineHungError, SyncTimeoutError, TransportError
 from refit.transport.object_store import remote_error
 
 __all__ = [
@@ -65,13 +65,16 @@ def loss(outcome: Outcome) -> str | None:
     about another actor (a replica whose fetch found the trainer dead) is
     that actor's, not the target's, and is no loss of the target. A
     replica whose engine is gone while its actor lives (`EngineGoneError`: a
-    `vllm serve` server that died or restarted) has died as a replica.
+    `vllm serve` server that died or restarted) has died as a replica; one
+    whose engine missed the deadline (`EngineHungError`: a hung server) has
+    missed it as a replica, whichever of its own deadline and the driver's
+    came first.
     """
     if isinstance(outcome.error, ActorDiedError) and outcome.error.who == outcome.who:
         return "died"
     if isinstance(outcome.error, EngineGoneError):  # `_resolve` made Ray's wrapper an instance of the remote error's class
         return "died"
-    if outcome.unanswered:
+    if outcome.unanswered or isinstance(outcome.error, EngineHungError):
         return "missed the deadline"
     return None
 

@@ -83,7 +83,7 @@ from refit.plan.config import SyncConfig, Transport, Verify
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource, accepts, has_method, missing_methods
-from refit.transport.collective import Rendezvous, RendezvousHost
+from refit.transport.collective import JOIN_MARGIN_S, Rendezvous, RendezvousHost
 from refit.transport.delta import BaseMismatchError, DeltaMode, version_digest
 from refit.transport.ipc import IpcTransport
 from refit.verification.probe import ProbeRequest, probe_prompts
@@ -562,10 +562,10 @@ class Syncer:
             pending += submit_all([source], "join_transport", rendezvous, member)
         for replica, offset in zip(members, offsets):
             pending += submit_all([replica], "join_transport", rendezvous, offset, sync_id)
-        # Members give up on a missing one at the deadline and name it: wait a little longer for that answer,
-        # unless a member is gone: then the others are told at once (`abandon`), not left to wait it out.
+        # Members give up on a missing one at the deadline and name it: wait longer for that answer, relayed or not
+        # (JOIN_MARGIN_S), unless a member is gone: then the others are told at once (`abandon`), not left to wait it out.
         try:
-            self._group_answers(wait_all(pending, "join_transport", timeout_s=timeout + 10, until_a_death=True))
+            self._group_answers(wait_all(pending, "join_transport", timeout_s=timeout + 2 * JOIN_MARGIN_S, until_a_death=True))
         except BaseException as error:
             self._group.abandon(f"{summary(error)}; the sync begins again or fails")
             self._disconnect(members)

@@ -42,11 +42,20 @@ from refit.errors import SyncTimeoutError, TransportError
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.devices import backend_for_this_machine
 
-__all__ = ["BucketReceiver", "BucketSender", "CollectiveGroup", "Rendezvous", "RendezvousHost", "receive_parts"]
+__all__ = ["JOIN_MARGIN_S", "BucketReceiver", "BucketSender", "CollectiveGroup", "Rendezvous", "RendezvousHost", "receive_parts"]
 
 log = logging.getLogger("refit.transport")
 
 _SENDER = 0  # the sending rank's rank in its channel; workers follow
+
+JOIN_MARGIN_S = 10.0
+"""How much longer than the group's deadline each relay of a member's join waits for its answer.
+
+A member gives up on a missing one at the deadline and names it. Each relay
+(a `vllm serve` replica's HTTP call to its workers, then the driver) waits
+one margin more than the one it waits on, so the answer that says why, the
+innermost, always arrives before the outer deadline.
+"""
 
 
 @dataclass(frozen=True, slots=True)

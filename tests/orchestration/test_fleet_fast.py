@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from refit import ActorDiedError, ConfigError, EngineError, LifecycleError, Phase, SyncConfig, Syncer
+from refit import ActorDiedError, ConfigError, EngineError, EngineHungError, LifecycleError, Phase, SyncConfig, Syncer
 from refit.orchestration.report import DroppedReplica
 from tests.support.fakes import CONFIG, FakeReplica, expected_names, setup
 
@@ -103,6 +103,15 @@ def test_a_replica_that_dies_is_dropped_and_the_others_serve_the_sync(step):
         assert survivor.status().phase is Phase.SERVING and survivor.status().served_version == report.version
     assert syncer.replica_names == ["rollout 0", "rollout 2"]  # the next sync does not wait on it
     assert [r.replica for r in syncer.sync().replicas] == [0, 2]
+
+
+def test_a_replica_whose_engine_missed_the_deadline_is_dropped_as_a_hung_one():
+    """A `vllm serve` replica's own HTTP deadline may fire before the driver's: the same loss either way."""
+    trainer, replicas = setup(3)
+    replicas[1].fail["begin"] = EngineHungError("the server at http://127.0.0.1:1 did not answer POST /pause within 5 s")
+    report = Syncer(trainer, replicas, CONFIG).sync()
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(1, "begin", "missed the deadline")]
+    assert [r.replica for r in report.replicas] == [0, 2]
 
 
 def test_below_min_replicas_a_loss_fails_the_sync_by_name_and_leaves_the_fleet_as_it_was():

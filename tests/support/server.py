@@ -25,7 +25,7 @@ from fixtures.cluster import QUIET_ENV
 from refit.engine.server import server_replica
 from tests.support.scripts import REPO
 
-__all__ = ["RefitServer", "ServerDyingAfterBegin", "free_port", "http_json"]
+__all__ = ["RefitServer", "ServerSignalledAfterBegin", "free_port", "http_json"]
 
 
 def free_port() -> int:
@@ -90,19 +90,19 @@ class RefitServer:
 
 
 @ray.remote(num_cpus=0, concurrency_groups=CONCURRENCY_GROUPS)
-class ServerDyingAfterBegin(ReplicaShell):
-    """`actors.ServerRollout` for the server at `url`, whose process group `pgid` is killed once an update began.
+class ServerSignalledAfterBegin(ReplicaShell):
+    """`actors.ServerRollout` for the server at `url`, whose process group `pgid` gets `signum` once an update began.
 
-    A crash at a chosen point: the sync goes on to form its collective group with a replica whose actor
-    lives and whose server is gone.
+    A fault at a chosen point: the sync goes on to form its collective group with a replica whose actor
+    answers and whose server is gone (SIGKILL) or hung (SIGSTOP; the test sends SIGCONT after).
     """
 
-    def __init__(self, url: str, pgid: int) -> None:
+    def __init__(self, url: str, pgid: int, signum: int) -> None:
         self.replica = server_replica(url)
-        self._pgid = pgid
+        self._pgid, self._signum = pgid, signum
 
     @ray.method(concurrency_group="update")
     def begin_update(self, plan, sync_id, config) -> int:
         version = self.replica.begin_update(plan, sync_id, config)
-        os.killpg(self._pgid, signal.SIGKILL)
+        os.killpg(self._pgid, self._signum)
         return version

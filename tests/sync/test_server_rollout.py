@@ -12,6 +12,8 @@ fleet drops it), then restart it on the same port.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -24,10 +26,11 @@ from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.actors import STARTUP_S
-from tests.support.server import RefitServer, ServerDyingAfterBegin, free_port, http_json
+from tests.support.server import RefitServer, ServerSignalledAfterBegin, free_port, http_json
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
 COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
+QUICK = refit.SyncConfig(transport="collective", timeout_s=15)  # for a server the test hangs: its deadlines are waited out
 # Generous: measured from the process start, on a machine other sessions share.
 SERVER_START_WITHIN_S = 600
 
@@ -187,8 +190,8 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
                                                                                             shared_replicas, tmp_path):
     """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it.
 
-    Then that server dies after its replica began an update, as the sync forms a new collective group:
-    the replica's actor lives on, but it is lost all the same, and the survivor serves the sync.
+    Then that server hangs, and later dies, after its replica began an update, as the sync forms a new
+    collective group: the replica's actor answers, but it is lost all the same, and the survivor serves the sync.
     """
     trainer, _, replica, _, _ = synced
     restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port)
@@ -202,15 +205,25 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
         assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
 
         other, _ = shared_replicas
-        dying = module_actors.keep(ServerDyingAfterBegin.options(resources={"node2": 0.01}).remote(restarted.url, restarted.process.pid))
-        ray.get(dying.__ray_ready__.remote(), timeout=STARTUP_S)
-        with refit.Syncer(trainer, [other, dying], COLLECTIVE) as syncer:
-            report = syncer.sync()
-        (dropped,) = report.dropped
-        assert (dropped.replica, dropped.stage, dropped.cause) == (1, "connect", "died") and restarted.url in dropped.error
-        assert [r.replica for r in report.replicas] == [0] and report.attempts == 2
-        # The others were told the group would not form, rather than waiting out its deadline for the dead server.
-        assert report.total_seconds < COLLECTIVE.timeout_s
-        assert ray.get(other.status.remote(), timeout=120).served_version == report.version
+        for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, COLLECTIVE, "died")):
+            failing = module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
+                restarted.url, restarted.process.pid, signum))
+            ray.get(failing.__ray_ready__.remote(), timeout=STARTUP_S)
+            try:
+                with refit.Syncer(trainer, [other, failing], config) as syncer:
+                    report = syncer.sync()
+            finally:
+                if signum == signal.SIGSTOP:
+                    os.killpg(restarted.process.pid, signal.SIGCONT)
+                    # Let the calls the hung server held up drain (their own errors are not this test's).
+                    ray.wait([failing.leave_transport.remote()], timeout=120)
+            (dropped,) = report.dropped
+            assert (dropped.replica, dropped.stage, dropped.cause) == (1, "connect", cause), dropped
+            assert restarted.url in dropped.error
+            assert [r.replica for r in report.replicas] == [0] and report.attempts == 2
+            assert ray.get(other.status.remote(), timeout=120).served_version == report.version
+            if signum == signal.SIGKILL:
+                # The others were told the group would not form, rather than waiting out its deadline for the dead server.
+                assert report.total_seconds < config.timeout_s
     finally:
         restarted.stop()
