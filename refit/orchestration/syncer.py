@@ -580,13 +580,14 @@ class Syncer:
         actor dead, its `vllm serve` server gone while the actor lives, or
         silent) fails the others' joins as an echo, and its actor may still
         answer Ray. Acting on the loss lets the survivors begin again without
-        it, as a loss mid-broadcast does.
+        it, as a loss mid-broadcast does. A trainer rank lost is no replica's
+        loss: the replicas' missing answers are its echo.
         """
         senders = dict(self._sources)
-        lost = [(o.who, how, o.error) for o in outcomes if o.who not in senders and (how := loss(o))]
-        if lost:
-            raise GroupBroken.among(lost)
-        return raise_first_error(outcomes)
+        lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
+        if not lost or any(who in senders for who, _, _ in lost):  # a trainer rank lost fails the sync, by its name
+            return raise_first_error(outcomes)
+        raise GroupBroken.among(lost)
 
     def _disconnect(self, members: list[tuple[str, Any]] | None = None) -> None:
         """The trainer ranks and `members` (default: the fleet) leave the group (bounded, best effort: a dead member has left already)."""

@@ -10,7 +10,7 @@ import ray
 
 import refit
 
-__all__ = ["die_at", "kill_during_syncs", "kill_mid_stream"]
+__all__ = ["die_at", "die_when_joining", "kill_during_syncs", "kill_mid_stream"]
 
 
 def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: type[BaseException], match: str,
@@ -62,3 +62,13 @@ def die_at(rank, method: str, call: int) -> None:
         return original(*args, **kwargs)
 
     setattr(rank.source, method, dying)
+
+
+def die_when_joining(trainer) -> None:
+    """Run in a `TrainerActor` (`run_in`): its process exits when a sync asks it to join a collective group."""
+    import os
+
+    def dying(*args, **kwargs):
+        os._exit(1)
+
+    trainer._transport.join = dying

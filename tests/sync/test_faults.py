@@ -21,9 +21,9 @@ import torch
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, VOCAB_SIZE, make_prompts, model_dir
 from refit import Phase
-from tests.support.actors import requests_in_flight, run_in
+from tests.support.actors import requests_in_flight, run_in, started
 from tests.support.checkpoints import write_fewer_layers
-from tests.support.faults import kill_during_syncs
+from tests.support.faults import die_when_joining, kill_during_syncs
 from tests.support.serving import PROMPTS, SAME_MODEL, agreement, assert_serves, status, tokens
 
 FAST = refit.SyncConfig(timeout_s=20)
@@ -268,6 +268,23 @@ def test_a_killed_trainer_fails_the_sync_by_name_and_the_next_sync_succeeds(repl
             syncer.sync()
     assert time.monotonic() - start < 20 * 3 + FAST.timeout_s
     assert error.value.who == "the trainer"
+    report = refit.Syncer(trainers[0], replicas, FAST).sync()
+    assert_serves(replicas, trainers[0], report.version)
+
+
+def test_a_trainer_that_dies_as_the_collective_group_forms_fails_the_sync_by_name_and_drops_no_replica(
+        replicas, trainers, module_actors):
+    """The replicas then wait to join with a member that never comes: their missing answers are its echo, not losses
+    of their own, and the driver tells them the group will not form rather than let them wait out the deadline."""
+    victim = started(module_actors.trainer(model_dir(True, "bf16"), reinitialize=True, seed=4))
+    run_in(victim, die_when_joining)
+    config = refit.SyncConfig(transport="collective", timeout_s=60)
+    syncer = refit.Syncer(victim, replicas, config)
+    start = time.monotonic()
+    with pytest.raises(refit.ActorDiedError, match="^the trainer died or is unreachable") as error:
+        syncer.sync()
+    assert error.value.who == "the trainer" and time.monotonic() - start < config.timeout_s
+    assert syncer.replica_names == ["rollout 0", "rollout 1"]
     report = refit.Syncer(trainers[0], replicas, FAST).sync()
     assert_serves(replicas, trainers[0], report.version)
 
