@@ -585,9 +585,10 @@ class Syncer:
         """
         senders = dict(self._sources)
         lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
-        if not lost or any(who in senders for who, _, _ in lost):  # a trainer rank lost fails the sync, by its name
+        broken = GroupBroken.among(lost)  # after a death, the others' missing answers (a trainer's too) are its echo
+        if not lost or any(who in senders for who, _, _ in broken.lost):  # a trainer rank lost fails the sync, by name
             return raise_first_error(outcomes)
-        raise GroupBroken.among(lost)
+        raise broken
 
     def _disconnect(self, members: list[tuple[str, Any]] | None = None) -> None:
         """The trainer ranks and `members` (default: the fleet) leave the group (bounded, best effort: a dead member has left already)."""

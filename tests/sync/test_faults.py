@@ -278,7 +278,7 @@ def test_a_trainer_that_dies_as_the_collective_group_forms_fails_the_sync_by_nam
     of their own, and the driver tells them the group will not form rather than let them wait out the deadline."""
     victim = started(module_actors.trainer(model_dir(True, "bf16"), reinitialize=True, seed=4))
     run_in(victim, die_when_joining)
-    config = refit.SyncConfig(transport="collective", timeout_s=60)
+    config = refit.SyncConfig(transport="collective", timeout_s=300)  # waited out, it would fail the bound below
     syncer = refit.Syncer(victim, replicas, config)
     start = time.monotonic()
     with pytest.raises(refit.ActorDiedError, match="^the trainer died or is unreachable") as error:

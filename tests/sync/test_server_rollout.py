@@ -205,7 +205,9 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
         assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
 
         other, _ = shared_replicas
-        for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, COLLECTIVE, "died")):
+        # Killed, it must not be waited out: a long deadline that the sync must end well within.
+        patient = refit.SyncConfig(transport="collective", timeout_s=300)
+        for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, patient, "died")):
             failing = module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
                 restarted.url, restarted.process.pid, signum))
             ray.get(failing.__ray_ready__.remote(), timeout=STARTUP_S)
