@@ -25,7 +25,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
-from tests.support.actors import STARTUP_S
+from tests.support.actors import STARTUP_S, started
 from tests.support.server import RefitServer, ServerSignalledAfterBegin, free_port, http_json
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
@@ -208,9 +208,8 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
         # Killed, it must not be waited out: a long deadline that the sync must end well within.
         patient = refit.SyncConfig(transport="collective", timeout_s=300)
         for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, patient, "died")):
-            failing = module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
-                restarted.url, restarted.process.pid, signum))
-            ray.get(failing.__ray_ready__.remote(), timeout=STARTUP_S)
+            failing = started(module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
+                restarted.url, restarted.process.pid, signum)))
             try:
                 with refit.Syncer(trainer, [other, failing], config) as syncer:
                     report = syncer.sync()
