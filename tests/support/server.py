@@ -35,8 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, body: dict | None = None, *, timeout_s: float = 60) -> dict:
-    """GET `url` (or POST `body` as JSON) and return the JSON answer, as a user's client would."""
+def http_json(url: str, body: dict | None = None, *, timeout_s: float = 600) -> dict:
+    """GET `url` (or POST `body` as JSON) and return the JSON answer, as a user's client would.
+
+    `timeout_s` only guards against a hung test, it asserts no speed: on a loaded 2-core machine (a whole
+    suite and a busy loop beside) a restarted server's first 16 completions took over 60 s.
+    """
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
