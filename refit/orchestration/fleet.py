@@ -19,12 +19,17 @@ from typing import Any
 from refit.orchestration.calls import Outcome, loss, raise_first_error, submit_all, summary
 from refit.orchestration.report import DroppedReplica
 
-__all__ = ["GroupBroken", "Lost", "Roll", "replica_id", "replica_name"]
+__all__ = ["GroupBroken", "Lost", "Roll", "losses", "replica_id", "replica_name"]
 
 log = logging.getLogger("refit.orchestration")
 
 Lost = tuple[str, str, BaseException]
 """A lost member: its name, how it was lost ("died" or "missed the deadline"), and the error that said so."""
+
+
+def losses(outcomes: Sequence[Outcome]) -> list[Lost]:
+    """The members that `outcomes` show lost, in their order (an answer or another error is no loss)."""
+    return [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
 
 
 def replica_name(replica_id: int) -> str:
@@ -68,7 +73,7 @@ class Roll:
 
     def settle(self, outcomes: Sequence[Outcome], sync_id: str) -> dict[str, Any]:
         """Each member's answer, by name; lost members are dropped, then any other error is raised, then the quorum checked."""
-        lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
+        lost = losses(outcomes)
         self.drop(lost, sync_id)
         answered = [o for o in outcomes if loss(o) is None]
         values = raise_first_error(answered)

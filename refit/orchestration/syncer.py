@@ -69,14 +69,13 @@ from refit.orchestration.calls import (
     call_all,
     dead_members,
     is_actor,
-    loss,
     raise_first_error,
     submit_all,
     summary,
     wait_all,
     wait_until_started,
 )
-from refit.orchestration.fleet import GroupBroken, Lost, Roll, replica_id, replica_name
+from refit.orchestration.fleet import GroupBroken, Lost, Roll, losses, replica_id, replica_name
 from refit.orchestration.metrics import record_failure, record_sync
 from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.plan.config import SyncConfig, Transport, Verify
@@ -403,7 +402,7 @@ class Syncer:
         def wait_oldest() -> None:
             pending = [(who, ref) for who, ref in in_flight.popleft() if roll.has(who)]  # none for the dropped
             outcomes = wait_all(pending, "load_bucket", timeout_s=timeout, until_a_death=one_group)
-            lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
+            lost = losses(outcomes)
             if lost and one_group:
                 raise GroupBroken.among(lost)
             for who, spent in roll.settle(outcomes, sync_id).items():
@@ -484,7 +483,7 @@ class Syncer:
         log.warning("sync %s: %s (%s); %d replica(s) begin again", sync_id, why, summary(error), len(roll.members))
         reason = f"sync {sync_id}: {why} ({summary(error)}); beginning again"
         outcomes = call_all(roll.members, "abort_update", sync_id, reason, timeout_s=2 * self.config.timeout_s)
-        roll.drop([(o.who, how, o.error) for o in outcomes if (how := loss(o))], sync_id)
+        roll.drop(losses(outcomes), sync_id)
         roll.check_quorum()
         self._disconnect(roll.members)
 
@@ -584,9 +583,11 @@ class Syncer:
         loss: the replicas' missing answers are its echo.
         """
         senders = dict(self._sources)
-        lost = [(o.who, how, o.error) for o in outcomes if (how := loss(o))]
+        lost = losses(outcomes)
+        if not lost:
+            return raise_first_error(outcomes)
         broken = GroupBroken.among(lost)  # after a death, the others' missing answers (a trainer's too) are its echo
-        if not lost or any(who in senders for who, _, _ in broken.lost):  # a trainer rank lost fails the sync, by name
+        if any(who in senders for who, _, _ in broken.lost):  # a trainer rank lost fails the sync, by name
             return raise_first_error(outcomes)
         raise broken
 
