@@ -21,6 +21,7 @@ __all__ = [
     "BucketStream",
     "Outcome",
     "call_all",
+    "claim_order",
     "dead_members",
     "is_actor",
     "loss",
@@ -40,6 +41,17 @@ def is_actor(target: Any) -> bool:
     except ImportError:  # a single-process setup without Ray
         return False
     return isinstance(target, ActorHandle)
+
+
+def claim_order(targets: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """`targets` in an order every driver agrees on: by Ray actor id (plain objects after, by their `id`).
+
+    Why: two syncs started at once on the same replicas that each claim all
+    of them at once can each win some and both be refused. Claiming the
+    first of this order alone, before the others, leaves one winner: the
+    loser is refused there and never touches another replica.
+    """
+    return sorted(targets, key=lambda t: (0, t[1]._actor_id.hex()) if is_actor(t[1]) else (1, f"{id(t[1]):016x}"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ The whole flow of one sync, top to bottom:
 2. every replica begins an update: it waits for in-flight requests, holds
    new ones, starts a layerwise reload, and proposes the lowest version it
    accepts; the sync's version is the highest proposal, so a version number
-   never names two different sets of weights;
+   never names two different sets of weights. One replica begins first,
+   the same one for every Syncer, then the rest at once: of two syncs
+   started together on the same replicas, one wins them all;
 3. the trainer streams buckets (Ray streaming generator: each bucket is put
    once in the object store, and the trainer runs at most
    `max_buckets_in_flight` ahead); each bucket is handed to every replica as
@@ -67,6 +69,7 @@ from refit.orchestration.calls import (
     BucketStream,
     Outcome,
     call_all,
+    claim_order,
     dead_members,
     is_actor,
     raise_first_error,
@@ -363,7 +366,11 @@ class Syncer:
         timeout = self.config.timeout_s
         stage = time.perf_counter()
         roll.stage = "begin"
-        proposals = roll.settle(call_all(roll.members, "begin_update", plan, sync_id, self.config, timeout_s=timeout), sync_id)
+        first, *others = claim_order(roll.members)  # one winner when two syncs start at once (`claim_order`)
+        begin = ("begin_update", plan, sync_id, self.config)
+        proposals = roll.settle(call_all([first], *begin, timeout_s=timeout), sync_id)
+        if others:
+            proposals |= roll.settle(call_all(others, *begin, timeout_s=timeout), sync_id)
         version = max(proposals.values())
         # After begin: a rival sync refused by the replicas never gets to take the trainer into its group.
         roll.stage = "connect"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit import ConfigError, EngineError, Phase, SyncConfig, Syncer
+from refit import ConfigError, EngineError, LifecycleError, Phase, SyncConfig, Syncer
+from refit.orchestration.calls import claim_order
 from tests.support.fakes import CONFIG, FakeReplica, FakeTrainer, expected_names, setup, tiny_decoder
 
 
@@ -80,6 +81,19 @@ def test_two_syncers_on_the_same_replicas_never_repeat_a_version():
     first, second = Syncer(trainer, replicas, CONFIG), Syncer(trainer, replicas, CONFIG)
     versions = [s.sync().version for s in (first, second, first, second)]
     assert versions == [1, 2, 3, 4]
+
+
+def test_a_sync_refused_by_the_replica_every_syncer_claims_first_begins_no_other():
+    """Found: two syncs started at once on two replicas each began one, and both were refused."""
+    trainer, replicas = setup(3)
+    (_, first), *_ = claim_order([(str(i), r) for i, r in enumerate(replicas)])
+    first.lifecycle.begin("rival", lease_s=60, drain_timeout_s=1)
+    with pytest.raises(LifecycleError, match=r"another sync \(rival\)"):
+        Syncer(trainer, replicas, CONFIG).sync()
+    assert [r.begins for r in replicas if r is not first] == [0, 0]
+    first.lifecycle.failed("rival", "the rival gives up")
+    report = Syncer(trainer, replicas, CONFIG).sync()
+    assert [r.status().served_version for r in replicas] == [report.version] * 3
 
 
 def test_objects_without_the_protocol_methods_are_refused_by_name():

@@ -71,6 +71,7 @@ class FakeReplica:
         self._pending: dict[str, torch.Tensor] = {}
         self._plan = None
         self.buckets_seen = 0
+        self.begins = 0
 
     def describe(self):
         return RolloutModelInfo(FP8_BLOCK, False)
@@ -82,6 +83,7 @@ class FakeReplica:
         return "fake-node"
 
     def begin_update(self, plan, sync_id, config):
+        self.begins += 1
         self._raise("begin")
         version = self.lifecycle.begin(sync_id, lease_s=config.update_lease_s, drain_timeout_s=config.timeout_s)
         self._plan, self._pending = plan, {}

@@ -204,9 +204,9 @@ def test_two_syncers_at_once_never_share_a_version_and_one_wins(replicas, traine
         thread.start()
     for thread in threads:
         thread.join(2 * FAST.timeout_s)
-    # Usually one wins; if each began one replica first, both are refused. Never a shared version.
+    # One wins (both, if one finished before the other began); the other is refused. Never a shared version.
     versions = [o for o in outcomes if isinstance(o, int)]
-    assert len(set(versions)) == len(versions), outcomes
+    assert versions and len(set(versions)) == len(versions), outcomes
     for o in outcomes:
         assert isinstance(o, int) or "another sync" in str(o), o
     report = refit.Syncer(trainers[0], replicas, FAST).sync()  # the next sync succeeds
