@@ -29,16 +29,16 @@ COLLECTIVE = refit.SyncConfig(transport="collective", bucket_bytes=128 << 10, ti
 
 
 @pytest.fixture(scope="module")
-def setup(module_actors):
+def setup(module_actors, shared_replicas):
+    """Replica 0 is the session's shared replica on node 1 (the same engine layout): one engine start saved."""
     trainer = module_actors.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=5, lr=3e-3)
     for step in range(3):
         ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=step).tolist()))
-    fp8 = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
-    in_process = module_actors.rollout(model_dir(True, "fp8_block"), node=1, **fp8)
     own_process = module_actors.rollout(
-        model_dir(True, "fp8_block"), node=2, **fp8, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        model_dir(True, "fp8_block"), node=2, load_format="dummy", kv_cache_dtype="fp8_e4m3",
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
     )
-    return trainer, in_process, own_process
+    return trainer, shared_replicas[0], own_process
 
 
 def served(replica):
@@ -67,13 +67,14 @@ def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in
 
     with refit.Syncer(trainer, [in_process, own_process], COLLECTIVE) as syncer:
         report = syncer.sync()
-        assert report.buckets >= 8 and [r.served_version for r in report.replicas] == [2, 2]
+        assert report.buckets >= 8 and [r.served_version for r in report.replicas] == [report.version] * 2
         assert report.replicas[1].node_id == node_of[2]
         for replica in (in_process, own_process):
             assert_serves(replica, expected)
         group = ray.get(in_process.transport_group.remote())
         assert group is not None and ray.get(own_process.transport_group.remote()) == group
-        assert syncer.sync().version == 3 and ray.get(own_process.transport_group.remote()) == group  # the group is kept
+        assert syncer.sync().version == report.version + 1
+        assert ray.get(own_process.transport_group.remote()) == group  # the group is kept
 
     # Quantizing in the rollout process instead (bf16 on the wire) delivers the same bits, over both transports.
     for replicas, transport in (([in_process], "ray"), ([in_process, own_process], "collective")):
