@@ -41,13 +41,16 @@ def gaps_under(trainer, version: int, outputs: list) -> list[float]:
 
 def check_versions(trainer, outputs: list, versions: list[int]) -> None:
     """Every output is greedy under its version's weights; most are not under the version before."""
+    differs: list[bool] = []  # per output whose version has a predecessor here: not greedy under the predecessor
     for version in versions:
         mine = [(p, c) for p, c in outputs if c.version == version]
         own = gaps_under(trainer, version, mine)
         assert max(own, default=0.0) < TIE, f"v{version}: an output is not what v{version} generates ({max(own):.3f} nats off)"
         if version - 1 in versions and own:
-            previous = gaps_under(trainer, version - 1, mine)
-            assert sum(gap > TIE for gap in previous) >= 0.5 * len(previous), f"v{version} and v{version - 1} look alike"
+            differs += [gap > TIE for gap in gaps_under(trainer, version - 1, mine)]
+    # Pooled over the versions: one that served a single output can match its predecessor by chance (found: v10's
+    # only output, in a run where the load finished few requests between two syncs).
+    assert sum(differs) >= 0.5 * len(differs), f"consecutive versions look alike: {sum(differs)} of {len(differs)} differ"
 
 
 @pytest.fixture(scope="module")
