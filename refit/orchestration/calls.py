@@ -21,8 +21,8 @@ __all__ = [
     "BucketStream",
     "Outcome",
     "call_all",
-    "claim_order",
     "dead_members",
+    "first_claim",
     "is_actor",
     "loss",
     "raise_first_error",
@@ -43,15 +43,15 @@ def is_actor(target: Any) -> bool:
     return isinstance(target, ActorHandle)
 
 
-def claim_order(targets: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """`targets` in an order every driver agrees on: by Ray actor id (plain objects after, by their `id`).
+def first_claim(targets: Sequence[tuple[str, Any]]) -> tuple[str, Any]:
+    """The target every driver claims first: the lowest Ray actor id (a plain object only after every actor).
 
     Why: two syncs started at once on the same replicas that each claim all
-    of them at once can each win some and both be refused. Claiming the
-    first of this order alone, before the others, leaves one winner: the
-    loser is refused there and never touches another replica.
+    of them at once can each win some and both be refused. Claiming this one
+    alone, before the others, leaves one winner: the loser is refused here
+    and never touches another replica.
     """
-    return sorted(targets, key=lambda t: (0, t[1]._actor_id.hex()) if is_actor(t[1]) else (1, f"{id(t[1]):016x}"))
+    return min(targets, key=lambda t: (0, t[1]._actor_id.hex()) if is_actor(t[1]) else (1, f"{id(t[1]):016x}"))
 
 
 @dataclass(frozen=True, slots=True)

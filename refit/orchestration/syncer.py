@@ -69,8 +69,8 @@ from refit.orchestration.calls import (
     BucketStream,
     Outcome,
     call_all,
-    claim_order,
     dead_members,
+    first_claim,
     is_actor,
     raise_first_error,
     submit_all,
@@ -366,7 +366,8 @@ class Syncer:
         timeout = self.config.timeout_s
         stage = time.perf_counter()
         roll.stage = "begin"
-        first, *others = claim_order(roll.members)  # one winner when two syncs start at once (`claim_order`)
+        first = first_claim(roll.members)  # one winner when two syncs start at once (`first_claim`)
+        others = [m for m in roll.members if m is not first]  # the Syncer's order: errors come in the same order every run
         begin = ("begin_update", plan, sync_id, self.config)
         proposals = roll.settle(call_all([first], *begin, timeout_s=timeout), sync_id)
         if others:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refit import ConfigError, EngineError, LifecycleError, Phase, SyncConfig, Syncer
-from refit.orchestration.calls import claim_order
+from refit.orchestration.calls import first_claim
 from tests.support.fakes import CONFIG, FakeReplica, FakeTrainer, expected_names, setup, tiny_decoder
 
 
@@ -86,7 +86,7 @@ def test_two_syncers_on_the_same_replicas_never_repeat_a_version():
 def test_a_sync_refused_by_the_replica_every_syncer_claims_first_begins_no_other():
     """Found: two syncs started at once on two replicas each began one, and both were refused."""
     trainer, replicas = setup(3)
-    (_, first), *_ = claim_order([(str(i), r) for i, r in enumerate(replicas)])
+    _, first = first_claim([(str(i), r) for i, r in enumerate(replicas)])
     first.lifecycle.begin("rival", lease_s=60, drain_timeout_s=1)
     with pytest.raises(LifecycleError, match=r"another sync \(rival\)"):
         Syncer(trainer, replicas, CONFIG).sync()
