@@ -118,12 +118,15 @@ def buckets_loaded(rollout) -> int:
         return replica._progress["buckets"] if replica.lifecycle.open_update() is not None else -1
 
 
-def alter_delta_base(rollout) -> str:
-    """Flip one byte of the first tensor a rollout keeps as its delta base (over `ray`); returns the tensor's name."""
+def alter_delta_base(rollout) -> int:
+    """Flip the first byte of every tensor a rollout keeps as its delta base (over `ray`); returns how many.
+
+    Every tensor, not one: which tensors the next sync sends as deltas (rebuilt from the base, so checked)
+    and which travel whole (replacing the altered bytes unchecked) depends on how much each changed."""
     entries = rollout.replica._base._entries
-    (name, _), (_, stored) = next(iter(entries.items()))
-    stored[0] ^= 0xFF
-    return name
+    for _, stored in entries.values():
+        stored[0] ^= 0xFF
+    return len(entries)
 
 
 STARTUP_S = 900

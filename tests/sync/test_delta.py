@@ -84,7 +84,7 @@ def test_a_replica_whose_base_was_altered_is_caught_and_healed_by_a_full_sync_in
     syncer = refit.Syncer(trainer, [first, second], SMALL)
     syncer.sync()
     step(trainer, 20)
-    altered = run_in(first, alter_delta_base)
+    altered = run_in(first, alter_delta_base)  # tensors altered
     assert ray.get(first.base_digest.remote("ray")) == ray.get(second.base_digest.remote("ray"))  # the digest cannot see it
 
     report = syncer.sync()
