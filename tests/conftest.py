@@ -2,8 +2,10 @@
 
 Every Ray test shares it (starting a cluster costs ~15 s). Node i carries a
 custom resource `node<i>`, so a test can pin an actor to a node and then
-assert where it ran. Actors are created through the `actors_factory`
-fixture, which kills them when the test ends (a vLLM engine holds ~1 GB).
+assert where it ran. Actors come from the `actors_factory` fixture, which
+lends them from a pool of processes reused across tests (tests/support/pool.py:
+a new process spends ~15 s of CPU importing vLLM) and takes them back, or
+kills them, when the test ends.
 
 Tests that start Ray or vLLM carry the `engine` marker (added here for every
 test that uses the cluster); `pytest -m "not engine"` is the fast tier.
@@ -26,7 +28,7 @@ TEST_KV_CACHE_BYTES = 64 << 20
 CPU default (1 GiB) would hold 1 GB of memory per engine, and two test sessions may run side by side."""
 
 
-CLUSTER_FIXTURES = {"ray_cluster", "actors_factory", "module_actors", "shared_replicas", "moe_checkpoint_replica"}
+CLUSTER_FIXTURES = {"ray_cluster", "actor_pool", "actors_factory", "module_actors", "shared_replicas", "moe_checkpoint_replica"}
 
 LONGEST_MODULES = ("tests/test_examples.py", "tests/sync/test_sharded_trainer.py", "tests/sync/test_faults.py")
 """Modules of 7-12 worker-minutes each (2026-12-02, AVX2 2-core), started before every other module.
@@ -60,23 +62,33 @@ def ray_cluster() -> Iterator[object]:
 
 
 class ActorFactory:
-    """Creates trainer and rollout actors pinned to nodes; kills them at teardown."""
+    """Creates trainer and rollout actors pinned to nodes; kills them (or returns them to the pool) at teardown.
 
-    def __init__(self) -> None:
+    With a pool (tests/support/pool.py), an actor is lent from it unless the test asks for a process of its
+    own (`own_process=True`), or its start needs one: environment variables, a name, worker processes.
+    """
+
+    def __init__(self, pool=None) -> None:
         self.created: list = []
+        self.lent: list = []
+        self.pool = pool
 
-    def trainer(self, model_dir, *, node: int = 0, **kwargs):
+    def trainer(self, model_dir, *, node: int = 0, own_process: bool = False, **kwargs):
+        if self.pool is not None and not own_process:
+            return self.lend(self.pool.trainer(node, str(model_dir), **kwargs))
         from actors import TrainerActor
 
         return self.keep(TrainerActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(str(model_dir), **kwargs))
 
     def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, name: str | None = None,
-                **engine_kwargs):
+                own_process: bool = False, **engine_kwargs):
         from actors import RolloutActor
         from refit import EngineConfig
 
         engine_kwargs.setdefault("kv_cache_bytes", TEST_KV_CACHE_BYTES)
         config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
+        if self.pool is not None and not (own_process or env or name or config.tensor_parallel_size > 1):
+            return self.lend(self.pool.rollout(node, config))
         options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
         if name:  # reachable from another driver process with ray.get_actor(name, namespace=NAMESPACE)
             options.update(name=name, namespace=NAMESPACE)
@@ -88,31 +100,50 @@ class ActorFactory:
         self.created.append(actor)
         return actor
 
+    def lend(self, lent):
+        self.lent.append(lent)
+        return lent.actor
+
     def kill_all(self) -> None:
         import ray
 
         for actor in self.created:
             ray.kill(actor)
         self.created.clear()
+        if self.lent:
+            self.pool.give_back(self.lent)
+            self.lent.clear()
 
 
-def _actors() -> Iterator[ActorFactory]:
-    factory = ActorFactory()
+def _actors(pool) -> Iterator[ActorFactory]:
+    factory = ActorFactory(pool)
     try:
         yield factory
     finally:
         factory.kill_all()
 
 
+@pytest.fixture(scope="session")
+def actor_pool(ray_cluster) -> Iterator[object]:
+    """Trainer and rollout processes reused across this worker's tests (tests/support/pool.py)."""
+    from tests.support.pool import ActorPool
+
+    pool = ActorPool()
+    try:
+        yield pool
+    finally:
+        pool.kill_all()
+
+
 @pytest.fixture
-def actors_factory(ray_cluster) -> Iterator[ActorFactory]:
-    yield from _actors()
+def actors_factory(actor_pool) -> Iterator[ActorFactory]:
+    yield from _actors(actor_pool)
 
 
 @pytest.fixture(scope="module")
-def module_actors(ray_cluster) -> Iterator[ActorFactory]:
-    """Actors shared by the tests of one module (an engine costs ~20 s to start)."""
-    yield from _actors()
+def module_actors(actor_pool) -> Iterator[ActorFactory]:
+    """Actors shared by the tests of one module."""
+    yield from _actors(actor_pool)
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,6 @@ def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in
     fresh_dir = write_fp8_block_checkpoint(tmp_path / "bf16", tmp_path / "fp8", like=model_dir(True, "fp8_block"))
     fresh = module_actors.rollout(fresh_dir, node=1, kv_cache_dtype="fp8_e4m3")
     expected = served(fresh)
-    ray.kill(fresh)
 
     report = refit.sync(trainer, in_process)  # the object store
     node_of = {i: n["NodeID"] for n in ray.nodes() if n["Alive"] for i in range(3) if f"node{i}" in n["Resources"]}

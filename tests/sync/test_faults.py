@@ -105,7 +105,7 @@ def test_an_actor_still_starting_at_the_startup_deadline_is_named(replicas, modu
 
 def test_a_replica_on_a_node_without_the_checkpoint_fails_the_sync_naming_it(replicas, trainers, module_actors):
     """The directory is checked where the engine starts; the driver may have no copy of it (no shared storage)."""
-    lost = module_actors.rollout("/nonexistent/rollout-checkpoint", node=2, load_format="dummy")
+    lost = module_actors.rollout("/nonexistent/rollout-checkpoint", node=2, load_format="dummy", own_process=True)
     served = [status(r).served_version for r in replicas]
     with pytest.raises(refit.ActorDiedError, match=r"rollout 2 died or is unreachable \(starting\).*"
                        r"model='/nonexistent/rollout-checkpoint' does not exist on this node"):

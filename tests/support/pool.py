@@ -1,0 +1,152 @@
+"""Actor processes that outlive the test that used them.
+
+Starting a `RolloutActor` costs ~15 s of CPU on these machines and a
+`TrainerActor` ~6 s, nearly all of it a new Python process importing vLLM,
+torch and transformers; vLLM's own engine start takes 0.3 s. A run of the
+suite started ~130 of them, the largest share of its CPU on 2 cores. So the
+test factory lends actors from a pool: a pooled actor is an instance of the
+same class, whose `restart` runs that class's constructor again in the
+process that already imported everything, after shutting its engine down
+or dropping its model. What a test then talks to is what the constructor
+built, exactly as in a new process.
+
+Nothing a test leaves reaches the next: `restart` clears the instance's
+attributes before the constructor runs, and an actor is taken back only if
+every one of its threads answers at once and it is in no update and no
+collective group (a test that killed it, hung it or left a group open gets
+it killed, as before). Tests that need a process of their own ask for one:
+a constructor that must fail, environment variables, a name another driver
+looks up, worker processes.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import defaultdict
+from dataclasses import dataclass
+
+import ray
+
+from actors import RolloutActor, TrainerActor
+from actors._replica_shell import CONCURRENCY_GROUPS
+from refit.engine.config import EngineConfig
+from tests.support.actors import STARTUP_S
+
+IDLE_PER_NODE = {"rollout": 2, "trainer": 4}
+"""Idle actors kept per node, by kind (a rollout's process holds ~0.7 GB, a trainer's ~0.4 GB); more are killed when
+returned. Trainers mostly run on node 0, and some modules hold several at once."""
+
+RETURN_CHECK_S = 10
+"""How long a returned actor has to show it is idle; one that does not is killed, never waited for."""
+
+_Rollout = RolloutActor.__ray_metadata__.modified_class.__ray_actor_class__
+_Trainer = TrainerActor.__ray_metadata__.modified_class.__ray_actor_class__
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+class PooledRollout(_Rollout):
+    """A `RolloutActor` whose engine can be replaced by another in the same process."""
+
+    def restart(self, config: EngineConfig) -> None:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.engine.llm.llm_engine.engine_core.shutdown()
+        self.__dict__.clear()
+        # vLLM froze the heap after its start (and `start_llm` before it): unfrozen, the old engine can be collected.
+        gc.unfreeze()
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        _Rollout.__init__(self, config)
+
+    def idle(self) -> bool:
+        return self.replica.transport_group() is None and self.replica.lifecycle.open_update() is None
+
+    @ray.method(concurrency_group="update")
+    def update_thread_free(self) -> bool:
+        return True
+
+    @ray.method(concurrency_group="serve")
+    def serve_thread_free(self) -> bool:
+        return True
+
+
+@ray.remote
+class PooledTrainer(_Trainer):
+    """A `TrainerActor` whose model can be replaced by another in the same process."""
+
+    def restart(self, model_dir: str, **kwargs) -> None:
+        self.__dict__.clear()
+        gc.collect()
+        _Trainer.__init__(self, model_dir, **kwargs)
+
+    def idle(self) -> bool:
+        return self.transport_group() is None
+
+
+@dataclass(frozen=True)
+class Lent:
+    kind: str  # "rollout" or "trainer"
+    node: int
+    actor: object
+
+
+class ActorPool:
+    """Idle pooled actors by kind and node, for one pytest worker's cluster."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list] = defaultdict(list)
+
+    def rollout(self, node: int, config: EngineConfig) -> Lent:
+        actor = self._take("rollout", node)
+        if actor is None:
+            return Lent("rollout", node, PooledRollout.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(config))
+        return Lent("rollout", node, self._restarted(actor, config))
+
+    def trainer(self, node: int, model_dir: str, **kwargs) -> Lent:
+        actor = self._take("trainer", node)
+        if actor is None:
+            return Lent("trainer", node, PooledTrainer.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(model_dir, **kwargs))
+        return Lent("trainer", node, self._restarted(actor, model_dir, **kwargs))
+
+    def give_back(self, lent: list[Lent]) -> None:
+        """Keep the actors that show at once they are idle (up to `IDLE_PER_NODE` a node); kill the others."""
+        checks = {entry: [entry.actor.idle.remote()] for entry in lent}
+        for entry in lent:
+            if entry.kind == "rollout":
+                checks[entry] += [entry.actor.update_thread_free.remote(), entry.actor.serve_thread_free.remote()]
+        refs = [ref for group in checks.values() for ref in group]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=RETURN_CHECK_S)
+        answered = set(ready)
+        for entry, group in checks.items():
+            idle = self._idle[(entry.kind, entry.node)]
+            if len(idle) < IDLE_PER_NODE[entry.kind] and all(ref in answered for ref in group) and _all_true(group):
+                idle.append(entry.actor)
+            else:
+                ray.kill(entry.actor)
+
+    def kill_all(self) -> None:
+        for actors in self._idle.values():
+            for actor in actors:
+                ray.kill(actor)
+        self._idle.clear()
+
+    def _take(self, kind: str, node: int):
+        idle = self._idle[(kind, node)]
+        return idle.pop() if idle else None
+
+    @staticmethod
+    def _restarted(actor, *args, **kwargs):
+        try:
+            ray.get(actor.restart.remote(*args, **kwargs), timeout=STARTUP_S)
+        except BaseException:
+            ray.kill(actor)  # whatever state the failed start left is not lent again
+            raise
+        return actor
+
+
+def _all_true(refs: list) -> bool:
+    try:
+        return all(ray.get(refs, timeout=RETURN_CHECK_S))
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+
