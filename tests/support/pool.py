@@ -3,8 +3,8 @@
 Starting a `RolloutActor` costs ~15 s of CPU on these machines and a
 `TrainerActor` ~6 s, nearly all of it a new Python process importing vLLM,
 torch and transformers; vLLM's own engine start takes 0.3 s. A run of the
-suite started ~130 of them, the largest share of its CPU on 2 cores. So the
-test factory lends actors from a pool: a pooled actor is an instance of the
+suite started 137 of them (2026-12-02). So the test factory lends actors
+from a pool: a pooled actor is an instance of the
 same class, whose `restart` runs that class's constructor again in the
 process that already imported everything, after shutting its engine down
 or dropping its model. What a test then talks to is what the constructor
@@ -12,7 +12,7 @@ built, exactly as in a new process.
 
 Nothing a test leaves reaches the next: `restart` clears the instance's
 attributes before the constructor runs, and an actor is taken back only if
-every one of its threads answers at once and it is in no update and no
+every one of its threads answers within `RETURN_CHECK_S` and it is in no update and no
 collective group (a test that killed it, hung it or left a group open gets
 it killed, as before). Tests that need a process of their own ask for one:
 a constructor that must fail, environment variables, a name another driver
@@ -33,7 +33,7 @@ from refit.engine.config import EngineConfig
 from tests.support.actors import STARTUP_S
 
 IDLE_PER_NODE = {"rollout": 2, "trainer": 4}
-"""Idle actors kept per node, by kind (a rollout's process holds ~0.7 GB, a trainer's ~0.4 GB); more are killed when
+"""Idle actors kept per node, by kind (a rollout's process holds ~0.8 GB, a trainer's ~0.55 GB); more are killed when
 returned. Trainers mostly run on node 0, and some modules hold several at once."""
 
 RETURN_CHECK_S = 10
