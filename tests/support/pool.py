@@ -109,7 +109,7 @@ class ActorPool:
         return Lent("trainer", node, self._restarted(actor, model_dir, **kwargs))
 
     def give_back(self, lent: list[Lent]) -> None:
-        """Keep the actors that show at once they are idle (up to `IDLE_PER_NODE` a node); kill the others."""
+        """Keep the actors that show within `RETURN_CHECK_S` they are idle (up to `IDLE_PER_NODE` a node); kill the others."""
         checks = {entry: [entry.actor.idle.remote()] for entry in lent}
         for entry in lent:
             if entry.kind == "rollout":
