@@ -74,11 +74,12 @@ class ActorFactory:
         self.pool = pool
 
     def trainer(self, model_dir, *, node: int = 0, own_process: bool = False, **kwargs):
+        options = _on_node(node)
         if self.pool is not None and not own_process:
-            return self.lend(self.pool.trainer(node, str(model_dir), **kwargs))
+            return self.lend(self.pool.trainer(node, options, str(model_dir), **kwargs))
         from actors import TrainerActor
 
-        return self.keep(TrainerActor.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(str(model_dir), **kwargs))
+        return self.keep(TrainerActor.options(**options).remote(str(model_dir), **kwargs))
 
     def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, name: str | None = None,
                 own_process: bool = False, **engine_kwargs):
@@ -87,9 +88,9 @@ class ActorFactory:
 
         engine_kwargs.setdefault("kv_cache_bytes", TEST_KV_CACHE_BYTES)
         config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
+        options = _on_node(node)
         if self.pool is not None and not (own_process or env or name or config.tensor_parallel_size > 1):
-            return self.lend(self.pool.rollout(node, config))
-        options = {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
+            return self.lend(self.pool.rollout(node, options, config))
         if name:  # reachable from another driver process with ray.get_actor(name, namespace=NAMESPACE)
             options.update(name=name, namespace=NAMESPACE)
         if env:
@@ -113,6 +114,11 @@ class ActorFactory:
         if self.lent:
             self.pool.give_back(self.lent)
             self.lent.clear()
+
+
+def _on_node(node: int) -> dict:
+    """Ray options that pin an actor to node `node` (its custom resource) and take no CPU of the 1 each node has."""
+    return {"num_cpus": 0, "resources": {f"node{node}": 0.01}}
 
 
 def _actors(pool) -> Iterator[ActorFactory]:

@@ -96,17 +96,24 @@ class ActorPool:
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list] = defaultdict(list)
 
-    def rollout(self, node: int, config: EngineConfig) -> Lent:
-        actor = self._take("rollout", node)
-        if actor is None:
-            return Lent("rollout", node, PooledRollout.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(config))
-        return Lent("rollout", node, self._restarted(actor, config))
+    def rollout(self, node: int, options: dict, config: EngineConfig) -> Lent:
+        return self._lend("rollout", PooledRollout, node, options, config)
 
-    def trainer(self, node: int, model_dir: str, **kwargs) -> Lent:
-        actor = self._take("trainer", node)
-        if actor is None:
-            return Lent("trainer", node, PooledTrainer.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(model_dir, **kwargs))
-        return Lent("trainer", node, self._restarted(actor, model_dir, **kwargs))
+    def trainer(self, node: int, options: dict, model_dir: str, **kwargs) -> Lent:
+        return self._lend("trainer", PooledTrainer, node, options, model_dir, **kwargs)
+
+    def _lend(self, kind: str, actor_class, node: int, options: dict, *args, **kwargs) -> Lent:
+        """An idle `kind` actor on `node` restarted with these constructor arguments, or a new one started with them."""
+        idle = self._idle[(kind, node)]
+        if not idle:
+            return Lent(kind, node, actor_class.options(**options).remote(*args, **kwargs))
+        actor = idle.pop()
+        try:
+            ray.get(actor.restart.remote(*args, **kwargs), timeout=STARTUP_S)
+        except BaseException:
+            ray.kill(actor)  # whatever state the failed start left is not lent again
+            raise
+        return Lent(kind, node, actor)
 
     def give_back(self, lent: list[Lent]) -> None:
         """Keep the actors that show within `RETURN_CHECK_S` they are idle (up to `IDLE_PER_NODE` a node); kill the others."""
@@ -129,19 +136,6 @@ class ActorPool:
             for actor in actors:
                 ray.kill(actor)
         self._idle.clear()
-
-    def _take(self, kind: str, node: int):
-        idle = self._idle[(kind, node)]
-        return idle.pop() if idle else None
-
-    @staticmethod
-    def _restarted(actor, *args, **kwargs):
-        try:
-            ray.get(actor.restart.remote(*args, **kwargs), timeout=STARTUP_S)
-        except BaseException:
-            ray.kill(actor)  # whatever state the failed start left is not lent again
-            raise
-        return actor
 
 
 def _all_true(refs: list) -> bool:
