@@ -173,20 +173,18 @@ def shared_replicas(ray_cluster) -> Iterator[list]:
         factory.kill_all()
 
 
-@pytest.fixture(scope="session")
-def moe_checkpoint_replica(ray_cluster) -> Iterator[object]:
+@pytest.fixture(scope="module")
+def moe_checkpoint_replica(module_actors) -> object:
     """A replica serving the Qwen3-MoE fixture's llmcompressor FP8_BLOCK checkpoint as loaded (node 1, bf16 KV cache).
 
-    The reference for what that checkpoint serves, shared by the modules that
+    The reference for what that checkpoint serves, for the modules that
     compare against it: no user may sync it (a refused plan leaves it as is).
+    Per module, from the pool: a session-long engine would sit idle between
+    its two modules at ~4% of a core (pool.py's `park` says why).
     """
     from fixtures import model_dir
 
-    factory = ActorFactory()
-    try:
-        yield factory.rollout(model_dir(False, "fp8_block", arch="qwen3_moe"), node=1)
-    finally:
-        factory.kill_all()
+    return module_actors.rollout(model_dir(False, "fp8_block", arch="qwen3_moe"), node=1)
 
 
 def _fixture_model(variant: str) -> str:
