@@ -1,4 +1,4 @@
-"""An AsyncLLM rollout under load: 32 requests in flight across 6 syncs, every output tagged with its version.
+"""An AsyncLLM rollout under load: 32 requests in flight across 4 syncs, every output tagged with its version.
 
 The engine core runs in its own process with two tensor-parallel worker
 processes (bf16, dummy-loaded), synced over the collective transport. The
@@ -109,7 +109,7 @@ def test_wait_mode_loses_no_request_and_tags_every_output_with_its_version(setup
 
     step_and_sync()
     load = Load(rollout)
-    for _ in range(6):
+    for _ in range(4):  # enough to see each new version serve; every sync under load costs ~20 s of this machine's CPU
         step_and_sync()
     load.stop()
     syncer.close()
@@ -117,7 +117,7 @@ def test_wait_mode_loses_no_request_and_tags_every_output_with_its_version(setup
     assert load.failed == []
     assert not any(c.aborted or len(c.token_ids) != TOKENS for _, c in load.done)
     served = {c.version for _, c in load.done}
-    assert len(served) >= 4, served  # the load really ran across the syncs
+    assert len(served) >= 3, served  # the load really ran across the syncs
     print(f"\nasync wait: {len(load.done)} requests over {len(versions) - 1} syncs under load, served by versions {sorted(served)}")
     check_versions(trainer, load.done, versions)
     assert ray.get(rollout.status.remote()).served_version == versions[-1]
