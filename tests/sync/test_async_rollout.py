@@ -109,10 +109,14 @@ def test_wait_mode_loses_no_request_and_tags_every_output_with_its_version(setup
 
     step_and_sync()
     load = Load(rollout)
-    for _ in range(4):  # enough to see each new version serve; every sync under load costs ~20 s of this machine's CPU
-        step_and_sync()
-    load.stop()
-    syncer.close()
+    try:
+        for _ in range(4):  # enough to see each new version serve; every sync under load costs ~20 s of this machine's CPU
+            step_and_sync()
+    finally:
+        # Stopped even when a sync fails: a load left running keeps sending requests from this worker for the rest
+        # of the session (seen: the worker grew to 11.5 GB and Ray's memory monitor killed its cluster's actors).
+        load.stop()
+        syncer.close()
 
     assert load.failed == []
     assert not any(c.aborted or len(c.token_ids) != TOKENS for _, c in load.done)
@@ -129,12 +133,14 @@ def test_abort_mode_returns_requests_in_flight_marked_aborted(setup):
     versions = [syncer.sync().version]
     run_in(trainer, snapshot_weights, versions[-1])
     load = Load(rollout)
-    for step in range(3):
-        ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=100 + step).tolist()))
-        versions.append(syncer.sync().version)
-        run_in(trainer, snapshot_weights, versions[-1])
-    load.stop()
-    syncer.close()
+    try:
+        for step in range(3):
+            ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=100 + step).tolist()))
+            versions.append(syncer.sync().version)
+            run_in(trainer, snapshot_weights, versions[-1])
+    finally:
+        load.stop()
+        syncer.close()
 
     assert load.failed == []
     aborted = [c for _, c in load.done if c.aborted]
@@ -160,8 +166,10 @@ def test_the_post_refit_stage_and_the_probe_run_while_requests_are_held(setup):
     config = refit.SyncConfig(transport="collective", verify="probe", kv_scales="recompute",
                               calibration_prompts=PROMPTS[:4], timeout_s=60)
     load = Load(rollout)
-    report = refit.sync(trainer, rollout, config)
-    load.stop()
+    try:
+        report = refit.sync(trainer, rollout, config)
+    finally:
+        load.stop()
     assert load.failed == [] and not report.probe_breached
     assert "probe passed" in report.replicas[0].verification, report.replicas[0].verification
     calibrated = [r for r in ray.get(rollout.scale_records.remote())
