@@ -66,7 +66,12 @@ def setup(module_actors):
 
 
 class Load:
-    """Keeps `IN_FLIGHT` requests running against the rollout (from a driver thread) until stopped."""
+    """Keeps `IN_FLIGHT` requests running against the rollout (from a driver thread) while its `with` block runs.
+
+    A context manager so that it stops however the block ends: a load left running by a test that raised kept
+    sending requests from the pytest worker for the rest of the session (seen: the worker grew to 11.5 GB and
+    Ray's memory monitor killed its cluster's actors).
+    """
 
     def __init__(self, rollout) -> None:
         self.rollout, self.done, self.failed = rollout, [], []
@@ -90,7 +95,10 @@ class Load:
                 except Exception as error:  # noqa: BLE001 - the test asserts there are none
                     self.failed.append((prompt, error))
 
-    def stop(self) -> None:
+    def __enter__(self) -> Load:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join(timeout=120)
 
@@ -108,15 +116,9 @@ def test_wait_mode_loses_no_request_and_tags_every_output_with_its_version(setup
         run_in(trainer, snapshot_weights, versions[-1])
 
     step_and_sync()
-    load = Load(rollout)
-    try:
+    with syncer, Load(rollout) as load:
         for _ in range(4):  # enough to see each new version serve; every sync under load costs ~20 s of this machine's CPU
             step_and_sync()
-    finally:
-        # Stopped even when a sync fails: a load left running keeps sending requests from this worker for the rest
-        # of the session (seen: the worker grew to 11.5 GB and Ray's memory monitor killed its cluster's actors).
-        load.stop()
-        syncer.close()
 
     assert load.failed == []
     assert not any(c.aborted or len(c.token_ids) != TOKENS for _, c in load.done)
@@ -132,15 +134,11 @@ def test_abort_mode_returns_requests_in_flight_marked_aborted(setup):
     syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(transport="collective", pause="abort", timeout_s=60))
     versions = [syncer.sync().version]
     run_in(trainer, snapshot_weights, versions[-1])
-    load = Load(rollout)
-    try:
+    with syncer, Load(rollout) as load:
         for step in range(3):
             ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=100 + step).tolist()))
             versions.append(syncer.sync().version)
             run_in(trainer, snapshot_weights, versions[-1])
-    finally:
-        load.stop()
-        syncer.close()
 
     assert load.failed == []
     aborted = [c for _, c in load.done if c.aborted]
@@ -165,11 +163,8 @@ def test_the_post_refit_stage_and_the_probe_run_while_requests_are_held(setup):
     trainer, rollout = setup
     config = refit.SyncConfig(transport="collective", verify="probe", kv_scales="recompute",
                               calibration_prompts=PROMPTS[:4], timeout_s=60)
-    load = Load(rollout)
-    try:
+    with Load(rollout) as load:
         report = refit.sync(trainer, rollout, config)
-    finally:
-        load.stop()
     assert load.failed == [] and not report.probe_breached
     assert "probe passed" in report.replicas[0].verification, report.replicas[0].verification
     calibrated = [r for r in ray.get(rollout.scale_records.remote())
