@@ -153,8 +153,24 @@ def module_actors(actor_pool) -> Iterator[ActorFactory]:
 
 
 @pytest.fixture(scope="session")
-def shared_replicas(ray_cluster) -> Iterator[list]:
-    """Two FP8_BLOCK replicas started the README's way (dummy load, FP8 KV cache) on nodes 1 and 2, for the session.
+def _shared_replica_processes(ray_cluster) -> Iterator[list]:
+    """The processes behind `shared_replicas`: started once a session, their engines parked between the modules."""
+    import ray
+
+    from tests.support.pool import PooledRollout
+
+    actors = [PooledRollout.options(**_on_node(node), name=name, namespace=NAMESPACE).remote(_shared_replica_config())
+              for node, name in zip((1, 2), SHARED_REPLICAS)]
+    try:
+        yield actors
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def shared_replicas(_shared_replica_processes) -> Iterator[list]:
+    """Two FP8_BLOCK replicas started the README's way (dummy load, FP8 KV cache) on nodes 1 and 2, for a module.
 
     An engine costs ~15 s to start, and most fault and sync tests prove nothing
     new by owning one, so modules share these. Named (`SHARED_REPLICAS` in
@@ -164,13 +180,27 @@ def shared_replicas(ray_cluster) -> Iterator[list]:
     its test, and never relies on their version numbers, only on versions it
     saw. A test that needs a replica that never served (a dummy replica's
     placeholder scales, its refusal before the first sync) starts its own.
+
+    Each module gets them with engines just started in the session's processes, and parks them when it ends:
+    idle between modules, two engines cost ~8% of a core (pool.py's `park` says why).
     """
-    factory = ActorFactory()
+    import ray
+
+    from tests.support.actors import STARTUP_S
+
+    ray.get([actor.unpark.remote(_shared_replica_config()) for actor in _shared_replica_processes], timeout=STARTUP_S)
     try:
-        yield [factory.rollout(_fixture_model("fp8_block"), node=n, name=name, load_format="dummy", kv_cache_dtype="fp8_e4m3")
-               for n, name in zip((1, 2), SHARED_REPLICAS)]
+        yield _shared_replica_processes
     finally:
-        factory.kill_all()
+        for actor in _shared_replica_processes:
+            actor.park.remote()  # not waited for: the next module's `unpark` runs after it
+
+
+def _shared_replica_config():
+    from refit import EngineConfig
+
+    return EngineConfig(model=_fixture_model("fp8_block"), max_model_len=128, kv_cache_bytes=TEST_KV_CACHE_BYTES,
+                        load_format="dummy", kv_cache_dtype="fp8_e4m3")
 
 
 @pytest.fixture(scope="module")

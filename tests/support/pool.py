@@ -59,8 +59,10 @@ class PooledRollout(_Rollout):
 
         if "engine" not in self.__dict__:
             return
-        self.engine.llm.llm_engine.engine_core.shutdown()
-        self.__dict__.clear()
+        try:
+            self.engine.llm.llm_engine.engine_core.shutdown()
+        finally:  # parked even if the shutdown failed: the next start must not find the old engine in place
+            self.__dict__.clear()
         # vLLM froze the heap after its start (and `start_llm` before it): unfrozen, the old engine can be collected.
         gc.unfreeze()
         gc.collect()
@@ -69,6 +71,11 @@ class PooledRollout(_Rollout):
     def restart(self, config: EngineConfig) -> None:
         self.park()
         _Rollout.__init__(self, config)
+
+    def unpark(self, config: EngineConfig) -> None:
+        """Start an engine with `config` if the actor is parked; one that is running is left as it is."""
+        if "engine" not in self.__dict__:
+            _Rollout.__init__(self, config)
 
     def idle(self) -> bool:
         return self.replica.transport_group() is None and self.replica.lifecycle.open_update() is None
