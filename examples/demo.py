@@ -32,7 +32,9 @@ of the two) and the seed-bug replica, and one line per replica saying where
 its scales came from. The end prints one summary line and writes
 `refit-demo.png` (`--plot`).
 
-Run: `make demo` (installs what it needs first).
+Run: `make demo` (installs what it needs first). `--address` runs it on a
+cluster that is up already, whose nodes carry the custom resources `node0`,
+`node1` and `node2` (as `fixtures.cluster.local_cluster` gives them).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import ray
 import refit
 from actors import RolloutActor
 from examples.rl_loop import received_mib, rollout_engine, run, start_actors
-from fixtures.cluster import QUIET_ENV, local_cluster
+from fixtures.cluster import QUIET_ENV, joined_cluster, local_cluster
 
 
 def _dummy_scale_magnitudes(worker) -> list[str]:
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="prompts in the dataset, each sampled 8 times a round")
     parser.add_argument("--rl-lr", type=float, default=3e-3)
     parser.add_argument("--steps-per-batch", type=int, default=4)
+    parser.add_argument("--address", help="a running Ray cluster with nodes node0-node2 (default: start a local one)")
     parser.add_argument("--plot", default="refit-demo.png", help="where to write the per-round plot (PNG)")
     parser.add_argument("--transport", default="ray", choices=["ray", "collective"],
                         help="how the weights travel: Ray's object store, or a broadcast group into vLLM's workers")
@@ -103,7 +106,7 @@ def main() -> None:
     quiet = {**QUIET_ENV, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore::FutureWarning", "REFIT_LOG_LEVEL": "WARNING",
              "TORCH_CPP_LOG_LEVEL": "ERROR"}
     start = time.monotonic()
-    with local_cluster(nodes=3, env=quiet):
+    with joined_cluster(args.address, quiet) if args.address else local_cluster(nodes=3, env=quiet):
         pin = [{"num_cpus": 0, "resources": {f"node{n}": 0.01}} for n in range(3)]
         trainer, rollouts = start_actors(2, pin[0], pin[1:])
         seed_bug = SeedBugRollout.options(**pin[0]).remote(rollout_engine())

@@ -5,7 +5,7 @@ blocks run with the fixture checkpoints in place of its placeholder paths;
 that substitution is the only change. Code that calls a plain `ray.init()`
 joins this session's cluster through `RAY_ADDRESS`, as it would join a
 user's running cluster (a cluster start saved per example); examples that
-take a cluster address get that cluster; the demo starts its own.
+take a cluster address (the demo among them) get that cluster.
 """
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ def test_rl_loop_rollouts_track_the_trainer_every_round(ray_cluster):
 
 
 @pytest.mark.engine
-def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path):
+def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path, ray_cluster):
     """A short demo: reward rises, refit's rollouts track the trainer, the replica keeping its placeholder KV scales collapses."""
     png = tmp_path / "demo.png"
     # Half the default dataset (32 prompts): the test's three rounds cost half as much and still learn
     # (measured: reward 0.28 -> 0.52, refit's greedy accuracy 0.16, the seed-bug replica's 0.03).
-    out = run_python(["-m", "examples.demo", "--rounds", "3", "--prompts", "32", "--plot", str(png)])
+    out = run_python(["-m", "examples.demo", "--rounds", "3", "--prompts", "32", "--plot", str(png), "--address", ray_cluster.address])
     assert re.search(r"^engines started: up [\d.]+ s after the loop began", out, re.MULTILINE), out
     rounds = ROUND.findall(out)
     assert len(rounds) == 3, out
