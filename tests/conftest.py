@@ -65,7 +65,7 @@ class ActorFactory:
     """Creates trainer and rollout actors pinned to nodes; kills them (or returns them to the pool) at teardown.
 
     With a pool (tests/support/pool.py), an actor is lent from it unless the test asks for a process of its
-    own (`own_process=True`), or its start needs one: environment variables, a name, worker processes.
+    own (`own_process=True`), or its start needs one: environment variables, worker processes.
     """
 
     def __init__(self, pool=None) -> None:
@@ -81,18 +81,14 @@ class ActorFactory:
 
         return self.keep(TrainerActor.options(**options).remote(str(model_dir), **kwargs))
 
-    def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, name: str | None = None,
-                own_process: bool = False, **engine_kwargs):
+    def rollout(self, model_dir, *, node: int = 0, env: dict[str, str] | None = None, own_process: bool = False,
+                **engine_kwargs):
         from actors import RolloutActor
-        from refit import EngineConfig
 
-        engine_kwargs.setdefault("kv_cache_bytes", TEST_KV_CACHE_BYTES)
-        config = EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
+        config = _engine_config(model_dir, **engine_kwargs)
         options = _on_node(node)
-        if self.pool is not None and not (own_process or env or name or config.tensor_parallel_size > 1):
+        if self.pool is not None and not (own_process or env or config.tensor_parallel_size > 1):
             return self.lend(self.pool.rollout(node, options, config))
-        if name:  # reachable from another driver process with ray.get_actor(name, namespace=NAMESPACE)
-            options.update(name=name, namespace=NAMESPACE)
         if env:
             options["runtime_env"] = {"env_vars": {**QUIET_ENV, **env}}
         return self.keep(RolloutActor.options(**options).remote(config))
@@ -114,6 +110,14 @@ class ActorFactory:
         if self.lent:
             self.pool.give_back(self.lent)
             self.lent.clear()
+
+
+def _engine_config(model_dir, **engine_kwargs):
+    """A test engine's config: 128-token sequences and `TEST_KV_CACHE_BYTES` of KV cache unless given."""
+    from refit import EngineConfig
+
+    engine_kwargs.setdefault("kv_cache_bytes", TEST_KV_CACHE_BYTES)
+    return EngineConfig(model=str(model_dir), max_model_len=128, **engine_kwargs)
 
 
 def _on_node(node: int) -> dict:
@@ -159,6 +163,7 @@ def _shared_replica_processes(ray_cluster) -> Iterator[list]:
 
     from tests.support.pool import PooledRollout
 
+    # Named, so that another driver process reaches them with ray.get_actor(name, namespace=NAMESPACE).
     actors = [PooledRollout.options(**_on_node(node), name=name, namespace=NAMESPACE).remote(_shared_replica_config())
               for node, name in zip((1, 2), SHARED_REPLICAS)]
     try:
@@ -197,10 +202,7 @@ def shared_replicas(_shared_replica_processes) -> Iterator[list]:
 
 
 def _shared_replica_config():
-    from refit import EngineConfig
-
-    return EngineConfig(model=_fixture_model("fp8_block"), max_model_len=128, kv_cache_bytes=TEST_KV_CACHE_BYTES,
-                        load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    return _engine_config(_fixture_model("fp8_block"), load_format="dummy", kv_cache_dtype="fp8_e4m3")
 
 
 @pytest.fixture(scope="module")
