@@ -7,6 +7,7 @@ them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import ray
@@ -107,8 +108,25 @@ def greedy_gaps(trainer, version: int, sequences: Sequence[Sequence[int]], promp
         trainer.model.load_state_dict(current)
 
 
-def requests_in_flight(rollout) -> int:
-    return rollout.replica.lifecycle.requests_in_flight
+def hold_a_request(rollout, hold_s: float) -> None:
+    """Open a request on the rollout's lifecycle gate, as `generate` does, and keep it open until
+    `release_the_request` (or `hold_s`, so a failed test cannot leave it held). An update's `begin` waits for it:
+    unlike a real generation, it ends when the test says, not when the machine's load says."""
+    entered, release = threading.Event(), threading.Event()
+    rollout._test_release = release
+
+    def hold() -> None:
+        with rollout.replica.lifecycle.request():
+            entered.set()
+            release.wait(hold_s)
+
+    threading.Thread(target=hold, daemon=True).start()
+    if not entered.wait(hold_s):
+        raise TimeoutError("the held request did not start")
+
+
+def release_the_request(rollout) -> None:
+    rollout._test_release.set()
 
 
 def buckets_loaded(rollout) -> int:
@@ -144,3 +162,4 @@ def started(actor):
     """`actor` once its constructor has finished (`all_started`)."""
     all_started(actor)
     return actor
+

@@ -19,9 +19,9 @@ import ray
 import torch
 
 import refit
-from fixtures import NEW_TOKENS, PROMPT_LEN, VOCAB_SIZE, make_prompts, model_dir
+from fixtures import NEW_TOKENS, VOCAB_SIZE, model_dir
 from refit import Phase
-from tests.support.actors import requests_in_flight, run_in, started
+from tests.support.actors import hold_a_request, release_the_request, run_in, started
 from tests.support.checkpoints import write_fewer_layers
 from tests.support.faults import die_when_joining, kill_during_syncs
 from tests.support.serving import PROMPTS, SAME_MODEL, agreement, assert_serves, status, tokens
@@ -215,41 +215,53 @@ def test_two_syncers_at_once_never_share_a_version_and_one_wins(replicas, traine
 
 
 def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replicas, trainers):
-    """Finding 1: the replicas that did begin kept their gate closed and blocked every call."""
-    served = refit.Syncer(trainers[0], replicas, FAST).sync().version
-    long_request = replicas[0].generate.remote(make_prompts(256, PROMPT_LEN, seed=3), 118)  # begin waits for it (5-60 s)
-    deadline = time.monotonic() + 60
-    while run_in(replicas[0], requests_in_flight) == 0:  # running, so the sync's begin on replica 0 must wait
-        assert time.monotonic() < deadline and not ray.wait([long_request], timeout=0)[0]
-        time.sleep(0.05)
-    request_was_running: list[bool] = []
-    start = time.monotonic()
-    seen: list[tuple[float, str]] = []  # what the interrupting thread saw, for a failure's message
+    """Finding 1: the replicas that did begin kept their gate closed and blocked every call.
 
-    def interrupt_once_replica_1_has_begun() -> None:
-        while (phase := status(replicas[1]).phase) is not Phase.UPDATING:
-            seen.append((round(time.monotonic() - start, 2), str(phase)))
+    A sync begins on the replica every driver claims first (`first_claim`), then on the others. The other
+    replica holds a request the test releases only once the driver is provably aborting (the first has left
+    its update), so the interrupt lands while the other's begin waits, on any machine load. With a real
+    generation on replica 0, the test depended on which replica had the lower actor id, and on the request
+    outlasting the interrupt: once replica 0 began first, waited the request out, and received a bucket.
+    """
+    from refit.orchestration.calls import first_claim
+
+    served = refit.Syncer(trainers[0], replicas, FAST).sync().version
+    claimed = first_claim([(str(i), replica) for i, replica in enumerate(replicas)])[1]
+    waiting = next(replica for replica in replicas if replica is not claimed)
+    run_in(waiting, hold_a_request, 300)
+    seen: list[tuple[float, str]] = []  # what the interrupting thread saw, for a failure's message
+    start = time.monotonic()
+
+    def wait_until_claimed(updating: bool) -> None:
+        while (status(claimed).phase is Phase.UPDATING) is not updating:
+            assert time.monotonic() < start + 120, seen
+            seen.append((round(time.monotonic() - start, 2), str(status(claimed).phase)))
             time.sleep(0.05)
-        seen.append((round(time.monotonic() - start, 2), "updating: interrupting"))
-        request_was_running.append(not ray.wait([long_request], timeout=0)[0])
-        _thread.interrupt_main()
+        seen.append((round(time.monotonic() - start, 2), "updating" if updating else "out of its update"))
+
+    def interrupt_once_the_claimed_replica_has_begun_then_release_the_request() -> None:
+        try:
+            wait_until_claimed(updating=True)
+            _thread.interrupt_main()
+            wait_until_claimed(updating=False)  # the interrupted driver aborted its update
+        finally:
+            run_in(waiting, release_the_request)
 
     # `interrupt_main` acts only through Python's own SIGINT handler; in the full suite something earlier
     # in this process had replaced it (the thread interrupted, nothing was raised), so set it for the test.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    threading.Thread(target=interrupt_once_replica_1_has_begun, daemon=True).start()
+    helper = threading.Thread(target=interrupt_once_the_claimed_replica_has_begun_then_release_the_request, daemon=True)
+    helper.start()
     try:
         with pytest.raises(KeyboardInterrupt) as interrupt:
-            refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=120)).sync()  # covers the request
+            refit.Syncer(trainers[1], replicas, refit.SyncConfig(timeout_s=120)).sync()  # covers the held request
     finally:
         signal.signal(signal.SIGINT, previous)
-        print(f"\ninterrupt test: sync ended at {time.monotonic() - start:.2f} s; request done then: "
-              f"{bool(ray.wait([long_request], timeout=0)[0])}; the thread saw {seen[:3]} ... {seen[-3:]}; "
-              f"SIGINT handler before: {previous}")
-    assert request_was_running == [True]  # so the driver was interrupted while replica 0 was still in begin
-    # The abort waited (bounded) for replica 0's begin, which waited for the request.
+        helper.join(120)
+        print(f"\ninterrupt test: sync ended at {time.monotonic() - start:.2f} s; the thread saw {seen[:3]} ... "
+              f"{seen[-3:]}; SIGINT handler before: {previous}")
+    # The abort waited (bounded) for the waiting replica's begin, which waited for the request; nothing was loaded.
     assert interrupt.value.__notes__ == [f"rollout 0: serving v{served}", f"rollout 1: serving v{served}"]
-    ray.get(long_request, timeout=120)
     for replica in replicas:
         state = status(replica)
         assert state.phase is Phase.SERVING and state.served_version == served, state
