@@ -16,7 +16,9 @@ exit status 1, never a traceback.
 `inspect` connects to a running Ray cluster and shows every named rollout
 replica (`RolloutActor.options(name=...)`): its status (serving which
 version, updating, or refusing and why), its last update, and where each of
-its scales came from. `--json` prints the same as JSON.
+its scales came from. `--json` prints the same as JSON. A replica that is
+dead, hung or broken is listed with why it could not be read (JSON: an
+`error` field); the others are shown all the same.
 
 `serve` starts vLLM's OpenAI-compatible server (`vllm serve`) on MODEL with
 what a refit sync needs: refit's worker extension and weight-transfer
@@ -98,9 +100,14 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
     return 0
 
 
+INSPECT_TIMEOUT_S = 60.0
+"""How long `refit inspect` waits for all replicas' answers; one that has not answered by then is listed as such."""
+
+
 def _inspect(address: str, as_json: bool) -> int:
     import json
     import logging
+    import time
     from dataclasses import asdict
 
     import ray
@@ -114,22 +121,33 @@ def _inspect(address: str, as_json: bool) -> int:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         except (ConnectionError, ValueError) as error:
             raise ConfigError(f"no Ray cluster at address={address!r} ({error}); pass --address HOST:PORT") from error
-    replicas = []  # (namespace/name, node id, status, last update, scale records)
+    replicas, unreadable = [], []  # (namespace/name, node id, status, last update, scale records); (namespace/name, why)
+    asked = []  # one dead or hung replica must not hide the others: ask them all, then wait under one deadline
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
-        if not all(has_method(handle, m) for m in ("status", "last_update", "scale_records", "node_id")):
-            continue  # not a rollout replica
-        calls = [handle.node_id.remote(), handle.status.remote(), handle.last_update.remote(), handle.scale_records.remote()]
-        replicas.append((f"{entry['namespace']}/{entry['name']}", *ray.get(calls, timeout=60)))
+        name = f"{entry['namespace']}/{entry['name']}"
+        try:
+            handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
+        except ValueError as error:  # gone since it was listed
+            unreadable.append((name, str(error)))
+            continue
+        if all(has_method(handle, m) for m in ("status", "last_update", "scale_records", "node_id")):  # a rollout replica
+            asked.append((name, [handle.node_id.remote(), handle.status.remote(), handle.last_update.remote(),
+                                 handle.scale_records.remote()]))
+    deadline = time.monotonic() + INSPECT_TIMEOUT_S
+    for name, calls in asked:
+        try:
+            replicas.append((name, *ray.get(calls, timeout=max(0.0, deadline - time.monotonic()))))
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            unreadable.append((name, f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"))
 
     if as_json:
         print(json.dumps([
             {"name": name, "node_id": node, "status": {**asdict(status), "phase": str(status.phase)}, "last_update": last,
              "scales": [{**asdict(r), "source": str(r.source)} for r in records]}
             for name, node, status, last, records in replicas
-        ], indent=1))
+        ] + [{"name": name, "error": why} for name, why in unreadable], indent=1))
         return 0
-    if not replicas:
+    if not replicas and not unreadable:
         print("no named rollout replicas on this cluster; create them with RolloutActor.options(name=...)")
     for name, node, status, last, records in replicas:
         update = "none yet" if last is None else (
@@ -139,6 +157,8 @@ def _inspect(address: str, as_json: bool) -> int:
         )
         print(f"{name} on node {node[:8]}: {status}; last update: {update}")
         print(format_table(records, digest=None if last is None else last.get("digest")) + "\n")
+    for name, why in unreadable:
+        print(f"{name}: could not be inspected ({why})")
     return 0
 
 

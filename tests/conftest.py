@@ -9,13 +9,15 @@ kills them, when the test ends.
 
 Tests that start Ray or vLLM carry the `engine` marker (added here for every
 test that uses the cluster); `pytest -m "not engine"` is the fast tier.
-`make test` runs the modules on two pytest-xdist workers, each with a cluster
-of its own (session fixtures are per worker); a module never spans two.
+`make test` runs the modules on two pytest-xdist workers, which share one
+cluster started by the xdist controller; a module never spans two workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import pytest
 
@@ -53,12 +55,52 @@ def _start_rank(item: pytest.Item) -> int:
     return LONGEST_MODULES.index(path) if path in LONGEST_MODULES else len(LONGEST_MODULES)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[object]:
-    from fixtures.cluster import local_cluster
+_SHARED_CLUSTER_ADDRESS = "refit_ray_address"
+_controller_cluster = ExitStack()
+_controller_address: str | None = None
 
-    with local_cluster(NODES) as cluster:
-        yield cluster
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """In the pytest-xdist controller, once per worker: every worker joins the one cluster started here.
+
+    One cluster, not one per worker: each costs ~15 s to start, and its daemons
+    (raylets, dashboard and runtime-env agents, log monitors, GCS) ~7% of a core
+    the whole run (measured 2026-12-02). The controller outlives every worker, so it owns the cluster.
+    """
+    global _controller_address
+    from fixtures.cluster import started_cluster
+
+    if _controller_address is None:
+        _controller_address = _controller_cluster.enter_context(started_cluster(NODES)).address
+    node.workerinput[_SHARED_CLUSTER_ADDRESS] = _controller_address
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _controller_cluster.close()
+
+
+@dataclass(frozen=True)
+class RunningCluster:
+    address: str
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(pytestconfig: pytest.Config) -> Iterator[RunningCluster]:
+    """The session's cluster, joined: the xdist controller's, shared by the workers, or one of its own without xdist.
+
+    Workers share its nodes, not their actors: each has its own pool and its own namespace for named actors
+    (tests/support/names.py).
+    """
+    from fixtures.cluster import joined_cluster, local_cluster
+
+    address = getattr(pytestconfig, "workerinput", {}).get(_SHARED_CLUSTER_ADDRESS)
+    if address is not None:
+        with joined_cluster(address, QUIET_ENV):
+            yield RunningCluster(address)
+    else:
+        with local_cluster(NODES) as cluster:
+            yield RunningCluster(cluster.address)
 
 
 class ActorFactory:

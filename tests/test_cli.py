@@ -64,19 +64,21 @@ def test_serve_refuses_an_option_refit_sets_before_starting_anything(capsys, mon
 
 
 def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, shared_replicas, ray_cluster):
-    """Run as a user would, from another process on the cluster's machine."""
+    """Run as a user would, from another process on the cluster's machine; a broken replica is listed, not fatal."""
     import subprocess
     import sys
 
     import ray
 
     import refit
+    from tests.support.actors import UnreadableReplica
     from tests.support.names import NAMESPACE, SHARED_REPLICAS
 
     trainer = module_actors.trainer(model_dir(True, "bf16"))
+    broken = module_actors.keep(UnreadableReplica.options(name="broken-rollout", namespace=NAMESPACE).remote())
     rollout = shared_replicas[0]
     report = refit.sync(trainer, rollout)
-    ray.get(rollout.status.remote())
+    ray.get([rollout.status.remote(), broken.__ray_ready__.remote()])
 
     def inspect(*flags: str) -> str:
         command = [sys.executable, "-m", "refit.cli", "inspect", "--address", ray_cluster.address, *flags]
@@ -93,6 +95,9 @@ def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance
     assert sources[("model.layers.0.self_attn.attn", "k_scale")] == "default"
     assert sources[("model.layers.0.mlp.down_proj", "weight_scale")] == "refit"
 
+    assert "the engine core died" in shown[f"{NAMESPACE}/broken-rollout"]["error"]
+
     text = inspect()
     assert f"{NAMESPACE}/{SHARED_REPLICAS[0]} on node" in text and f"serving v{report.version}" in text
+    assert f"{NAMESPACE}/broken-rollout: could not be inspected (RayTaskError" in text, text
     assert "model.layers.1.self_attn.attn" in text

@@ -163,3 +163,19 @@ def started(actor):
     all_started(actor)
     return actor
 
+
+@ray.remote(num_cpus=0)
+class UnreadableReplica:
+    """A named actor with a replica's methods whose `status` fails, as a replica whose engine died would answer."""
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def status(self):
+        raise RuntimeError("the engine core died")
+
+    def last_update(self) -> None:
+        return None
+
+    def scale_records(self) -> list:
+        return []
