@@ -194,7 +194,12 @@ def actors_factory(actor_pool) -> Iterator[ActorFactory]:
 
 @pytest.fixture(scope="module")
 def module_actors(actor_pool) -> Iterator[ActorFactory]:
-    """Actors shared by the tests of one module."""
+    """Actors shared by the tests of one module (fixtures only).
+
+    A test's own actors come from `actors_factory`: returned when the test ends, their processes serve the
+    module's next test; held here, they would stay out of the pool until the module ends, and each later
+    test of the module would start new ones.
+    """
     yield from _actors(actor_pool)
 
 

@@ -135,12 +135,12 @@ def test_recompute_matches_amax_measured_on_the_trainers_model(seed_setup):
     assert_recomputed(rollout, changed, refit.sync(trainer, rollout, config).version)
 
 
-def test_recompute_with_tensor_parallel_two_takes_the_max_over_ranks(module_actors):
+def test_recompute_with_tensor_parallel_two_takes_the_max_over_ranks(actors_factory):
     """Each TP rank sees half the heads; the scale is the amax over both, as on one rank."""
-    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    trainer = actors_factory.trainer(model_dir(True, "bf16"))
     # bf16 weights with an FP8 KV cache: the fixture's k/v projections (2 heads x 64) split over
     # two ranks are 64 rows, less than one 128-row FP8 block, which vLLM refuses to shard.
-    rollout = module_actors.rollout(
+    rollout = actors_factory.rollout(
         model_dir(True, "bf16"), load_format="dummy", kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2,
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
@@ -170,10 +170,10 @@ class CalibratingTrainer:
         yield from refit.produce_buckets(plan, self.tensors.__getitem__)
 
 
-def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup, module_actors):
+def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup, actors_factory):
     _, rollout = seed_setup
     streamed = {f"model.layers.{i}.self_attn.{s}": 0.0125 * (i + 1) for i in range(2) for s in ("k_scale", "v_scale")}
-    trainer = module_actors.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+    trainer = actors_factory.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16")), streamed))
 
     report = refit.sync(trainer, rollout)
@@ -187,7 +187,7 @@ def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
 
     bad = {**streamed, "model.layers.1.self_attn.v_scale": -1.0}
-    liar = module_actors.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+    liar = actors_factory.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16")), bad))
     with pytest.raises(refit.InvalidTensorError, match=r"model\.layers\.1\.self_attn\.v_scale: streamed scale"):
         refit.sync(liar, rollout)
@@ -207,12 +207,12 @@ def without_kv_cache_scheme(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("scheme_in_config", [True, False], ids=["with-kv-cache-scheme", "without-kv-cache-scheme"])
-def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_actors, tmp_path, scheme_in_config):
+def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(actors_factory, tmp_path, scheme_in_config):
     """The upstream rule ("reset when the config has no kv_cache_scheme") would wipe these without the scheme."""
     checkpoint = load_file(str(model_dir(True, "fp8_block_kv") / "model.safetensors"))
-    trainer = module_actors.trainer(model_dir(True, "bf16"))
+    trainer = actors_factory.trainer(model_dir(True, "bf16"))
     directory = model_dir(True, "fp8_block_kv") if scheme_in_config else without_kv_cache_scheme(tmp_path)
-    rollout = module_actors.rollout(directory, kv_cache_dtype="fp8_e4m3")
+    rollout = actors_factory.rollout(directory, kv_cache_dtype="fp8_e4m3")
 
     refit.sync(trainer, rollout)
 
@@ -228,10 +228,10 @@ def test_calibrated_checkpoint_scales_survive_an_auto_sync_bit_for_bit(module_ac
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
 
 
-def test_placeholder_scales_of_a_checkpoint_without_kv_scales_become_defaults(module_actors):
+def test_placeholder_scales_of_a_checkpoint_without_kv_scales_become_defaults(actors_factory):
     """load_format="auto" on an FP8 checkpoint without KV scales: vLLM's 1.0 placeholders, recorded as such."""
-    trainer = module_actors.trainer(model_dir(True, "bf16"))
-    rollout = module_actors.rollout(model_dir(True, "fp8_block"), kv_cache_dtype="fp8_e4m3")
+    trainer = actors_factory.trainer(model_dir(True, "bf16"))
+    rollout = actors_factory.rollout(model_dir(True, "fp8_block"), kv_cache_dtype="fp8_e4m3")
     before = by_key(ray.get(rollout.scale_records.remote()))
     attention = [k for k, r in before.items() if r.kind == "attention"]
     assert attention and all(before[k].source is ScaleSource.PLACEHOLDER for k in attention)

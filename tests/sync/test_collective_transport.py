@@ -49,12 +49,12 @@ def max_abs_diff(a, b) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b) if x is not None)
 
 
-def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in_every_engine_layout(setup, module_actors, tmp_path):
+def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in_every_engine_layout(setup, actors_factory, tmp_path):
     """Tied embeddings, dummy load, FP8 KV cache: the seed's whole setup, healed by one sync, over either transport."""
     trainer, in_process, own_process = setup
     run_in(trainer, save, str(tmp_path / "bf16"))
     fresh_dir = write_fp8_block_checkpoint(tmp_path / "bf16", tmp_path / "fp8", like=model_dir(True, "fp8_block"))
-    fresh = module_actors.rollout(fresh_dir, node=1, kv_cache_dtype="fp8_e4m3")
+    fresh = actors_factory.rollout(fresh_dir, node=1, kv_cache_dtype="fp8_e4m3")
     expected = served(fresh)
 
     report = refit.sync(trainer, in_process)  # the object store
@@ -187,16 +187,16 @@ def assert_recovers(trainer, replicas) -> None:
     assert len({tuple(map(tuple, served(r).token_ids)) for r in replicas}) == 1
 
 
-def test_a_trainer_killed_mid_broadcast_fails_the_sync_by_name_and_a_new_group_recovers(setup, module_actors):
+def test_a_trainer_killed_mid_broadcast_fails_the_sync_by_name_and_a_new_group_recovers(setup, actors_factory):
     trainer, in_process, own_process = setup
-    doomed = module_actors.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=9)
+    doomed = actors_factory.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=9)
     kill_mid_broadcast(doomed, [in_process, own_process], doomed, "the trainer died or is unreachable")
     assert_recovers(trainer, [in_process, own_process])
 
 
-def test_a_replica_killed_mid_broadcast_fails_the_sync_by_name_and_the_others_recover(setup, module_actors):
+def test_a_replica_killed_mid_broadcast_fails_the_sync_by_name_and_the_others_recover(setup, actors_factory):
     """The survivors see the broken group first; the error names the replica that died, not the echo."""
     trainer, in_process, own_process = setup
-    doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    doomed = actors_factory.rollout(model_dir(True, "fp8_block"), node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
     kill_mid_broadcast(trainer, [in_process, own_process, doomed], doomed, "rollout 2 died or is unreachable")
     assert_recovers(trainer, [in_process, own_process])

@@ -70,15 +70,15 @@ class SlowStartingTrainer:
         yield from refit.produce_buckets(plan, refit.checkpoint_tensors(self.model))
 
 
-def slow_trainer(module_actors, delay_s: float, failure: str | None = None):
+def slow_trainer(factory, delay_s: float, failure: str | None = None):
     options = {"num_cpus": 0, "resources": {"node0": 0.01}}
-    return module_actors.keep(SlowStartingTrainer.options(**options).remote(str(model_dir(True, "bf16")), delay_s, failure))
+    return factory.keep(SlowStartingTrainer.options(**options).remote(str(model_dir(True, "bf16")), delay_s, failure))
 
 
-def test_a_sync_started_with_its_actors_waits_for_their_start_then_keeps_its_deadline(replicas, trainers, module_actors):
+def test_a_sync_started_with_its_actors_waits_for_their_start_then_keeps_its_deadline(replicas, trainers, actors_factory):
     """The replicas' engines start alongside when this module is their first user: the 8 s deadline starts once all
     are up. (Shorter deadlines were missed by the sync's own first calls on a machine at load 20.)"""
-    trainer = slow_trainer(module_actors, 12.0)
+    trainer = slow_trainer(actors_factory, 12.0)
     report = refit.Syncer(trainer, replicas, refit.SyncConfig(timeout_s=8)).sync()
     assert report.startup_seconds > 11.0, report.summary()
     assert report.total_seconds < report.startup_seconds  # the sync itself excludes the wait
@@ -86,9 +86,9 @@ def test_a_sync_started_with_its_actors_waits_for_their_start_then_keeps_its_dea
     assert_serves(replicas, trainers[0], report.version)  # the same weights as trainers[0]
 
 
-def test_an_actor_that_fails_to_start_fails_the_sync_at_once_with_its_own_error(replicas, module_actors):
+def test_an_actor_that_fails_to_start_fails_the_sync_at_once_with_its_own_error(replicas, actors_factory):
     [status(r) for r in replicas]  # up: the clock below is about the trainer
-    trainer = slow_trainer(module_actors, 0.0, failure="shard 3 of the checkpoint is truncated")
+    trainer = slow_trainer(actors_factory, 0.0, failure="shard 3 of the checkpoint is truncated")
     start = time.monotonic()
     died = r"the trainer died or is unreachable \(starting\).*shard 3 of the checkpoint is truncated"
     with pytest.raises(refit.ActorDiedError, match=died):
@@ -97,15 +97,15 @@ def test_an_actor_that_fails_to_start_fails_the_sync_at_once_with_its_own_error(
     assert all(status(r).phase is not Phase.UPDATING for r in replicas)
 
 
-def test_an_actor_still_starting_at_the_startup_deadline_is_named(replicas, module_actors):
-    trainer = slow_trainer(module_actors, 600.0)
+def test_an_actor_still_starting_at_the_startup_deadline_is_named(replicas, actors_factory):
+    trainer = slow_trainer(actors_factory, 600.0)
     with pytest.raises(refit.SyncTimeoutError, match=r"the trainer did not finish starting within 2 s \(SyncConfig.startup_timeout_s\)"):
         refit.Syncer(trainer, replicas, refit.SyncConfig(startup_timeout_s=2)).sync()
 
 
-def test_a_replica_on_a_node_without_the_checkpoint_fails_the_sync_naming_it(replicas, trainers, module_actors):
+def test_a_replica_on_a_node_without_the_checkpoint_fails_the_sync_naming_it(replicas, trainers, actors_factory):
     """The directory is checked where the engine starts; the driver may have no copy of it (no shared storage)."""
-    lost = module_actors.rollout("/nonexistent/rollout-checkpoint", node=2, load_format="dummy", own_process=True)
+    lost = actors_factory.rollout("/nonexistent/rollout-checkpoint", node=2, load_format="dummy", own_process=True)
     served = [status(r).served_version for r in replicas]
     with pytest.raises(refit.ActorDiedError, match=r"rollout 2 died or is unreachable \(starting\).*"
                        r"model='/nonexistent/rollout-checkpoint' does not exist on this node"):
@@ -137,11 +137,11 @@ def test_an_out_of_vocabulary_calibration_prompt_is_refused_before_any_weight_mo
 
 
 def test_a_trainer_missing_tensors_is_refused_before_any_byte_and_the_replicas_keep_serving(
-    serving_first, trainers, module_actors, tmp_path
+    serving_first, trainers, actors_factory, tmp_path
 ):
     """Finding 3: a one-layer trainer 'succeeded' and the replica served a mix of old and new weights."""
     replicas = serving_first
-    small = module_actors.trainer(write_fewer_layers(model_dir(True, "bf16"), tmp_path / "one-layer", 1))
+    small = actors_factory.trainer(write_fewer_layers(model_dir(True, "bf16"), tmp_path / "one-layer", 1))
     before = [status(r) for r in replicas]
     with pytest.raises(refit.PlanMismatchError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: the rollout's model has it"):
         refit.Syncer(small, replicas, FAST).sync()
@@ -170,9 +170,9 @@ class DroppingTrainer:
             yield pack_bucket(bucket.index, kept)
 
 
-def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replicas, trainers, module_actors):
+def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replicas, trainers, actors_factory):
     """What the plan promised must all have arrived (verification), and been loaded (the engine's own check)."""
-    liar = module_actors.keep(DroppingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+    liar = actors_factory.keep(DroppingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16")), "model.layers.1.mlp.down_proj.weight"))
     missing = r"did not deliver 2 tensor\(s\) of the plan: model\.layers\.1\.mlp\.down_proj\.weight, .*weight_scale"
     with pytest.raises(refit.VerificationError, match=missing):
@@ -269,8 +269,8 @@ def test_an_interrupt_while_waiting_in_begin_leaves_every_replica_serving(replic
     assert_serves(replicas, trainers[1], report.version)
 
 
-def test_a_killed_trainer_fails_the_sync_by_name_and_the_next_sync_succeeds(replicas, trainers, module_actors):
-    victim = module_actors.trainer(model_dir(True, "bf16"), reinitialize=True, seed=3)
+def test_a_killed_trainer_fails_the_sync_by_name_and_the_next_sync_succeeds(replicas, trainers, actors_factory):
+    victim = actors_factory.trainer(model_dir(True, "bf16"), reinitialize=True, seed=3)
     syncer = refit.Syncer(victim, replicas, refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=20, max_buckets_in_flight=1))
     syncer.plan()
     threading.Timer(0.3, lambda: ray.kill(victim)).start()
@@ -285,10 +285,10 @@ def test_a_killed_trainer_fails_the_sync_by_name_and_the_next_sync_succeeds(repl
 
 
 def test_a_trainer_that_dies_as_the_collective_group_forms_fails_the_sync_by_name_and_drops_no_replica(
-        replicas, trainers, module_actors):
+        replicas, trainers, actors_factory):
     """The replicas then wait to join with a member that never comes: their missing answers are its echo, not losses
     of their own, and the driver tells them the group will not form rather than let them wait out the deadline."""
-    victim = started(module_actors.trainer(model_dir(True, "bf16"), reinitialize=True, seed=4))
+    victim = started(actors_factory.trainer(model_dir(True, "bf16"), reinitialize=True, seed=4))
     run_in(victim, die_when_joining)
     config = refit.SyncConfig(transport="collective", timeout_s=300)  # waited out, it would fail the bound below
     syncer = refit.Syncer(victim, replicas, config)
@@ -302,11 +302,11 @@ def test_a_trainer_that_dies_as_the_collective_group_forms_fails_the_sync_by_nam
 
 
 def test_a_killed_replica_below_min_replicas_fails_the_sync_within_the_deadline_and_the_others_recover(
-    replicas, trainers, module_actors
+    replicas, trainers, actors_factory
 ):
     """With `min_replicas` = the fleet, a dead replica fails the sync as before fleets (by default it is dropped:
     tests/sync/test_fleet.py)."""
-    doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    doomed = actors_factory.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
     syncer = refit.Syncer(trainers[0], [*replicas, doomed], dataclasses.replace(FAST, min_replicas=3))  # planned once
     syncer.sync()
     ray.kill(doomed)
@@ -407,9 +407,9 @@ class CorruptingTrainer:
         return self.streams_closed
 
 
-def test_the_trainer_is_free_at_once_after_a_mid_stream_failure(replicas, trainers, module_actors):
+def test_the_trainer_is_free_at_once_after_a_mid_stream_failure(replicas, trainers, actors_factory):
     """Finding 5: the trainer's generator was never closed and sat on backpressure; a new Syncer hung > 200 s."""
-    trainer = module_actors.keep(CorruptingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+    trainer = actors_factory.keep(CorruptingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16"))))
     config = refit.SyncConfig(bucket_bytes=64 << 10, max_buckets_in_flight=1, timeout_s=20)
     syncer = refit.Syncer(trainer, replicas, config)
@@ -439,8 +439,8 @@ class StallingTrainer:
             time.sleep(3600)
 
 
-def test_a_hung_trainer_fails_the_sync_by_name_within_the_deadline(replicas, trainers, module_actors):
-    stalled = module_actors.keep(StallingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+def test_a_hung_trainer_fails_the_sync_by_name_within_the_deadline(replicas, trainers, actors_factory):
+    stalled = actors_factory.keep(StallingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16"))))
     refit.Syncer(trainers[1], replicas, FAST).sync()  # started and serving: the 5 s deadline is about the trainer
     config = refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=5)
@@ -478,10 +478,10 @@ def test_a_hung_replica_below_min_replicas_fails_the_sync_by_name_and_recovers_b
 
 
 def test_a_replica_killed_mid_stream_below_min_replicas_fails_the_sync_by_name_and_the_survivors_recover(
-    replicas, trainers, module_actors
+    replicas, trainers, actors_factory
 ):
     """`min_replicas=3` of three: the kill that a fleet survives by default (tests/sync/test_fleet.py) fails the sync."""
-    doomed = module_actors.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    doomed = actors_factory.rollout(model_dir(True, "fp8_block"), node=0, load_format="dummy", kv_cache_dtype="fp8_e4m3")
     ray.get(doomed.__ray_ready__.remote(), timeout=600)  # its engine started: the deadlines below are about it
     # Finding 2b: a generate on dummy FP8 scales raised inside vLLM and wedged the engine for good.
     with pytest.raises(refit.ReplicaRefusingError, match="load_format='dummy'.*run a sync first"):

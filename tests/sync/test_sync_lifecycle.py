@@ -94,8 +94,8 @@ def test_nan_in_a_weight_is_refused_and_the_served_model_is_untouched(trainer, r
     assert served_logprobs(rollout) == before  # ... but nothing of it reached the rollout
 
 
-def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(module_actors, rollout):
-    trainer = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=9)
+def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(actors_factory, rollout):
+    trainer = actors_factory.trainer(model_dir(False, "bf16"), reinitialize=True, seed=9)
     syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
     plan = syncer.plan()
     first_bucket = next(iter(trainer.stream_buckets.options(num_returns="streaming").remote(plan)))
@@ -136,8 +136,8 @@ class MinimalTrainer:
         return greedy_continuations(self.model, prompts, n)
 
 
-def test_any_actor_with_the_weight_source_methods_can_be_synced(module_actors, rollout):
-    trainer = module_actors.keep(
+def test_any_actor_with_the_weight_source_methods_can_be_synced(actors_factory, rollout):
+    trainer = actors_factory.keep(
         MinimalTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(str(model_dir(False, "bf16")))
     )
     report = refit.sync(trainer, rollout)
@@ -147,14 +147,14 @@ def test_any_actor_with_the_weight_source_methods_can_be_synced(module_actors, r
     )
 
 
-def test_a_trainer_whose_model_differs_from_the_rollouts_is_refused_before_any_byte(module_actors, rollout, tmp_path):
+def test_a_trainer_whose_model_differs_from_the_rollouts_is_refused_before_any_byte(actors_factory, rollout, tmp_path):
     """Every reshaped tensor is named by the plan check; the engine never sees a byte and keeps serving."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir(False, "bf16"))
     config.intermediate_size = 384
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
-    wrong = module_actors.trainer(tmp_path / "other")
+    wrong = actors_factory.trainer(tmp_path / "other")
     before = ray.get(rollout.status.remote())
     served = served_logprobs(rollout)
     with pytest.raises(PlanMismatchError) as error:
@@ -165,16 +165,16 @@ def test_a_trainer_whose_model_differs_from_the_rollouts_is_refused_before_any_b
     assert ray.get(rollout.status.remote()) == before
     assert served_logprobs(rollout) == served
 
-    good = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=12)
+    good = actors_factory.trainer(model_dir(False, "bf16"), reinitialize=True, seed=12)
     refit.sync(good, rollout)
     assert max_abs_diff(served_logprobs(rollout), run_in(good, prompt_logprobs, PROMPTS)) < 1e-2
 
 
 def test_requests_in_flight_finish_on_the_old_model_and_requests_during_an_update_wait_for_the_new(
-    module_actors, rollout
+    actors_factory, rollout
 ):
-    old = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=21)
-    new = module_actors.trainer(model_dir(False, "bf16"), reinitialize=True, seed=22)
+    old = actors_factory.trainer(model_dir(False, "bf16"), reinitialize=True, seed=21)
+    new = actors_factory.trainer(model_dir(False, "bf16"), reinitialize=True, seed=22)
     refit.sync(old, rollout)
     long_prompts = make_prompts(48, PROMPT_LEN, seed=5)
     # The engine's own output on the old weights (48 greedy tokens of a random
