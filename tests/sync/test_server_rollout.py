@@ -187,7 +187,7 @@ def test_a_fleet_drops_its_server_killed_mid_sync_and_takes_a_replica_that_joins
 
 
 def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, module_actors,
-                                                                                            shared_replicas, tmp_path):
+                                                                                            shared_replicas, tmp_path, caplog):
     """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it.
 
     Then that server hangs, and later dies, after its replica began an update, as the sync forms a new
@@ -210,6 +210,7 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
         for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, patient, "died")):
             failing = started(module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
                 restarted.url, restarted.process.pid, signum)))
+            caplog.clear()
             try:
                 with refit.Syncer(trainer, [other, failing], config) as syncer:
                     report = syncer.sync()
@@ -222,6 +223,8 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
             assert (dropped.replica, dropped.stage, dropped.cause) == (1, "connect", cause), dropped
             assert restarted.url in dropped.error
             assert [r.replica for r in report.replicas] == [0] and report.attempts == 2
+            # Lost as the group formed, it is not asked to leave it: hung, it would hold the sync another deadline.
+            assert not [r for r in caplog.records if r.getMessage().startswith("rollout 1 could not leave")], caplog.text
             assert ray.get(other.status.remote(), timeout=120).served_version == report.version
             if signum == signal.SIGKILL:
                 # The others were told the group would not form, rather than waiting out its deadline for the dead server.
