@@ -575,10 +575,8 @@ class Syncer:
             self._group_answers(wait_all(pending, "join_transport", timeout_s=timeout + 2 * JOIN_MARGIN_S, until_a_death=True))
         except BaseException as error:
             self._group.abandon(f"{summary(error)}; the sync begins again or fails")
-            # Not the lost: a dead member has left already, and a hung one would hold the leave for another
-            # `timeout_s` (dropping a hung `vllm serve` replica cost two deadlines, not one).
-            lost = {who for who, _, _ in error.lost} if isinstance(error, GroupBroken) else set()
-            self._disconnect([member for member in members if member[0] not in lost])
+            # The members leave it in `_begin_again` or `_failed`, once the roll has dropped those lost: a hung one,
+            # asked here, would hold the sync for another `timeout_s` (a hung `vllm serve` cost two deadlines, not one).
             raise
         log.info("collective group %s: %d members (%s)", rendezvous.group_id, len(names), ", ".join(names))
         return rendezvous
