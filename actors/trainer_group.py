@@ -27,7 +27,7 @@ import torch
 from actors._logging import show_refit_logs
 from actors._measure import private_rss_bytes, timed
 from refit.errors import ConfigError
-from refit.orchestration.calls import wait_until_started
+from refit.orchestration.calls import is_actor, wait_until_started
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.sharding.process_group import free_port, init_trainer_group
@@ -52,6 +52,10 @@ class TrainerRank:
         self._stream_seconds = 0.0
         self._peak_bytes = 0
         self._transport = TransportSender()
+
+    def position(self) -> tuple[int, int]:
+        """(rank, world_size) as constructed: a group checks them before the rank joins it."""
+        return self.rank, self.world_size
 
     def rendezvous(self) -> tuple[str, int]:
         """Where the group meets: this node's address and a free port on it (asked of rank 0)."""
@@ -171,6 +175,19 @@ class TrainerRank:
             state = {name: value.to(torch.bfloat16) if value.is_floating_point() else value for name, value in state.items()}
             self.model.save_pretrained(directory, state_dict=state)
 
+    def leave_group(self) -> None:
+        """Drop the model and leave the torch.distributed group, so that this process can join another group.
+
+        torch keeps one default group per process: a rank that is to set up
+        again (a new group, after its peers were replaced) must destroy the old
+        one first. Its collectives' peers may be gone; destroying the group
+        needs none of them.
+        """
+        for attribute in ("model", "optimizer", "source"):
+            self.__dict__.pop(attribute, None)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def _sample_rss(self, baseline: int, stop: threading.Event) -> None:
         while not stop.wait(_RSS_SAMPLE_PERIOD_S):
             self._peak_bytes = max(self._peak_bytes, private_rss_bytes() - baseline)
@@ -179,24 +196,37 @@ class TrainerRank:
 class TrainerGroup:
     """`world_size` `TrainerRank`s holding one FSDP2-sharded model; pass it to `refit.Syncer` as the trainer.
 
-    `resources[r]` (optional) are Ray resources pinning rank r (e.g. `{"node1": 0.01}`).
+    The group starts its ranks, `resources[r]` (optional) pinning rank r
+    (e.g. `{"node1": 0.01}`); or it takes `ranks` that were started elsewhere
+    (`TrainerRank.remote(r, world_size)` for r in order, placed by your
+    framework), each joining as the rank it was constructed as.
     Construction waits for the ranks' processes and their model loading under
     `startup_timeout_s`; every later call has the deadline `timeout_s`.
     """
 
     def __init__(self, model_dir: str | Path, world_size: int, *, lr: float = 1e-3, seed: int = 0,
                  reinitialize: bool = False, resources: Sequence[dict[str, float]] | None = None,
+                 ranks: Sequence[ray.actor.ActorHandle] | None = None,
                  timeout_s: float = 120.0, startup_timeout_s: float = 1800.0) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size={world_size}: a trainer group needs at least one rank")
         if resources is not None and len(resources) != world_size:
             raise ConfigError(f"resources: {len(resources)} entries for {world_size} ranks")
+        if ranks is not None and resources is not None:
+            raise ConfigError("resources place the ranks a group starts; ranks passed in are placed already: give one of them")
+        if ranks is not None and len(ranks) != world_size:
+            raise ConfigError(f"ranks: {len(ranks)} actors for world_size={world_size}")
+        for r, rank in enumerate(ranks or ()):
+            if not is_actor(rank):
+                raise ConfigError(f"ranks[{r}] is {rank!r}, not an actor handle: pass TrainerRank.remote({r}, {world_size})")
         self.timeout_s = timeout_s
-        self.ranks = [
+        self.ranks = list(ranks) if ranks is not None else [
             TrainerRank.options(num_cpus=0, resources=(resources or [{}] * world_size)[r]).remote(r, world_size)
             for r in range(world_size)
         ]
         wait_until_started([(f"trainer rank {r}", rank) for r, rank in enumerate(self.ranks)], timeout_s=startup_timeout_s)
+        if ranks is not None:
+            self._check_positions()
         address, port = ray.get(self.ranks[0].rendezvous.remote(), timeout=timeout_s)
         self._all("setup", address, port, str(model_dir), lr=lr, seed=seed, reinitialize=reinitialize, timeout_s=timeout_s,
                   deadline_s=startup_timeout_s)
@@ -222,6 +252,14 @@ class TrainerGroup:
     def kill(self) -> None:
         for rank in self.ranks:
             ray.kill(rank)
+
+    def _check_positions(self) -> None:
+        """Each rank passed in was constructed as the rank of this group its place in `ranks` says."""
+        positions = ray.get([rank.position.remote() for rank in self.ranks], timeout=self.timeout_s)
+        for r, (rank, world_size) in enumerate(positions):
+            if (rank, world_size) != (r, len(self.ranks)):
+                raise ConfigError(f"ranks[{r}] was constructed as rank {rank} of {world_size}: this group needs rank {r} "
+                                  f"of {len(self.ranks)} there (TrainerRank.remote({r}, {len(self.ranks)}))")
 
     def _all(self, method: str, *args, deadline_s: float | None = None, **kwargs):
         """Call a collective on every rank; rank 0's result."""

@@ -135,6 +135,17 @@ class ActorFactory:
             options["runtime_env"] = {"env_vars": {**QUIET_ENV, **env}}
         return self.keep(RolloutActor.options(**options).remote(config))
 
+    def trainer_group(self, model_dir, *, nodes: tuple[int, ...] = (0, 1), **kwargs):
+        """An FSDP2 `TrainerGroup` with rank r on node `nodes[r]`, its ranks lent from the pool (`TrainerGroup(ranks=...)`)."""
+        from actors import TrainerGroup, TrainerRank
+
+        world_size = len(nodes)
+        if self.pool is None:
+            ranks = [self.keep(TrainerRank.options(**_on_node(node)).remote(r, world_size)) for r, node in enumerate(nodes)]
+        else:
+            ranks = [self.lend(self.pool.rank(node, _on_node(node), r, world_size)) for r, node in enumerate(nodes)]
+        return TrainerGroup(model_dir, world_size, ranks=ranks, **kwargs)
+
     def keep(self, actor):
         self.created.append(actor)
         return actor

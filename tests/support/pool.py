@@ -8,7 +8,8 @@ from a pool: a pooled actor is an instance of the
 same class, whose `restart` runs that class's constructor again in the
 process that already imported everything. What a test then talks to is
 what the constructor built, exactly as in a new process. Between tests a
-pooled actor is parked: its engine shut down, or its model dropped.
+pooled actor is parked: its engine shut down, or its model dropped (a
+trainer group's rank also leaves its torch.distributed group).
 
 Nothing a test leaves reaches the next: `restart` clears the instance's
 attributes before the constructor runs, and an actor is taken back only if
@@ -27,20 +28,22 @@ from dataclasses import dataclass
 
 import ray
 
-from actors import RolloutActor, TrainerActor
+from actors import RolloutActor, TrainerActor, TrainerRank
 from actors._replica_shell import CONCURRENCY_GROUPS
 from refit.engine.config import EngineConfig
 from tests.support.actors import STARTUP_S
 
-IDLE_PER_NODE = {"rollout": 2, "trainer": 4}
+IDLE_PER_NODE = {"rollout": 2, "trainer": 4, "rank": 1}
 """Idle actors kept per node, by kind (a rollout's process holds ~0.8 GB, a trainer's ~0.55 GB); more are killed when
-returned. Trainers mostly run on node 0, and some modules hold several at once."""
+returned. Trainers mostly run on node 0, and some modules hold several at once; a test's trainer group has one rank
+on each of two nodes."""
 
 RETURN_CHECK_S = 10
 """How long a returned actor has to show it is idle; one that does not is killed, never waited for."""
 
 _Rollout = RolloutActor.__ray_metadata__.modified_class.__ray_actor_class__
 _Trainer = TrainerActor.__ray_metadata__.modified_class.__ray_actor_class__
+_Rank = TrainerRank.__ray_metadata__.modified_class.__ray_actor_class__
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
@@ -106,9 +109,29 @@ class PooledTrainer(_Trainer):
         return self.transport_group() is None
 
 
+@ray.remote
+class PooledTrainerRank(_Rank):
+    """A `TrainerRank` that can join another group in the same process (as another rank)."""
+
+    def park(self) -> None:
+        """Leave the group and drop the model: what a rank must do before it sets up again."""
+        try:
+            self.leave_group()
+        finally:
+            self.__dict__.clear()
+            gc.collect()
+
+    def restart(self, rank: int, world_size: int) -> None:
+        self.park()
+        _Rank.__init__(self, rank, world_size)
+
+    def idle(self) -> bool:
+        return self.transport_group() is None
+
+
 @dataclass(frozen=True)
 class Lent:
-    kind: str  # "rollout" or "trainer"
+    kind: str  # "rollout", "trainer" or "rank"
     node: int
     actor: object
 
@@ -124,6 +147,9 @@ class ActorPool:
 
     def trainer(self, node: int, options: dict, model_dir: str, **kwargs) -> Lent:
         return self._lend("trainer", PooledTrainer, node, options, model_dir, **kwargs)
+
+    def rank(self, node: int, options: dict, rank: int, world_size: int) -> Lent:
+        return self._lend("rank", PooledTrainerRank, node, options, rank, world_size)
 
     def _lend(self, kind: str, actor_class, node: int, options: dict, *args, **kwargs) -> Lent:
         """An idle `kind` actor on `node` restarted with these constructor arguments, or a new one started with them."""

@@ -102,16 +102,10 @@ def test_the_server_records_the_scale_provenance_the_rollout_actor_records(synce
     assert any(r.kind == "weight" and r.source is refit.ScaleSource.REFIT and r.version == 1 for r in records)
 
 
-def test_an_fsdp2_trainer_group_syncs_the_server_beside_the_rollout_actor(server, synced):
+def test_an_fsdp2_trainer_group_syncs_the_server_beside_the_rollout_actor(server, synced, actors_factory):
     """Two FSDP2 ranks of the same checkpoint, each broadcasting its parts to the server's workers: the same model."""
-    from actors import TrainerGroup
-
     _, reference, replica, _, _ = synced
-    group = TrainerGroup(model_dir(True, "bf16"), 2, resources=[{"node0": 0.01}, {"node1": 0.01}])
-    try:
-        report = refit.sync(group, [reference, replica], COLLECTIVE)
-    finally:
-        group.kill()
+    report = refit.sync(actors_factory.trainer_group(model_dir(True, "bf16")), [reference, replica], COLLECTIVE)
     assert [r.served_version for r in report.replicas] == [report.version] * 2
     assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
     expected = ray.get(reference.generate.remote(PROMPTS, NEW_TOKENS), timeout=120)

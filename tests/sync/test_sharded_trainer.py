@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import refit
-from actors import TrainerGroup
+from actors import TrainerGroup, TrainerRank
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
 from refit.engine import Phase
 from tests.support.actors import run_in
@@ -41,53 +41,50 @@ def replicas(shared_replicas):
 
 
 def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(replicas, actors_factory, ray_cluster, tmp_path):
-    group = TrainerGroup(model_dir(True, "bf16"), 2, reinitialize=True, seed=5, lr=3e-3, resources=TWO_NODES)
-    try:
-        reference = actors_factory.rollout(model_dir(True, "fp8_block"), node=2, **FP8_DUMMY)
-        syncer = refit.Syncer(group, replicas, refit.SyncConfig(bucket_bytes=256 << 10))
-        accuracies, versions = [], []
-        for round_ in range(2):
-            for step in range(25):  # from a random init: ~0.3 counting accuracy after one round, ~0.95 after two
-                group.train_step(make_sequences(32, 32, seed=100 * round_ + step).tolist())
-            report = syncer.sync()
-            assert all(r.served_version == report.version for r in report.replicas)
-            held, sent = run_in(group.ranks[0], lambda rank: ({str(p.dtype) for p in rank.model.parameters()},
-                                                             {m.dtype for m in rank.weight_metadata()}))
-            assert (held, sent) == ({"torch.float32"}, {"bfloat16"})  # fp32 masters, bf16 on the wire
-            versions.append(report.version)  # consecutive; the module's replicas may have served earlier syncs
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), reinitialize=True, seed=5, lr=3e-3)
+    reference = actors_factory.rollout(model_dir(True, "fp8_block"), node=2, **FP8_DUMMY)
+    syncer = refit.Syncer(group, replicas, refit.SyncConfig(bucket_bytes=256 << 10))
+    accuracies, versions = [], []
+    for round_ in range(2):
+        for step in range(25):  # from a random init: ~0.3 counting accuracy after one round, ~0.95 after two
+            group.train_step(make_sequences(32, 32, seed=100 * round_ + step).tolist())
+        report = syncer.sync()
+        assert all(r.served_version == report.version for r in report.replicas)
+        held, sent = run_in(group.ranks[0], lambda rank: ({str(p.dtype) for p in rank.model.parameters()},
+                                                         {m.dtype for m in rank.weight_metadata()}))
+        assert (held, sent) == ({"torch.float32"}, {"bfloat16"})  # fp32 masters, bf16 on the wire
+        versions.append(report.version)  # consecutive; the module's replicas may have served earlier syncs
 
-            single = actors_factory.trainer(group.save(tmp_path / f"round{round_}"), node=0)
-            refit.sync(single, reference)
-            expected = serve(reference)
-            for replica in replicas:
-                got = serve(replica)
-                assert got.token_ids == expected.token_ids
-                assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
-                assert max_abs_diff([r[1:] for r in got.prompt_logprobs], [r[1:] for r in expected.prompt_logprobs]) < 1e-5
-            rollout_accuracy = accuracy(PROMPTS, expected.token_ids)
-            trainer_accuracy = accuracy(PROMPTS, group.generate(PROMPTS, NEW_TOKENS))
-            accuracies.append((trainer_accuracy, rollout_accuracy))
-
-        # Over the collective transport each rank broadcasts its parts on a channel of its own: the same model.
-        report = refit.sync(group, replicas, refit.SyncConfig(transport="collective", bucket_bytes=256 << 10))
-        assert versions[1] == versions[0] + 1 and report.version == versions[1] + 1 and report.buckets > 2
+        single = actors_factory.trainer(group.save(tmp_path / f"round{round_}"), node=0)
+        refit.sync(single, reference)
+        expected = serve(reference)
         for replica in replicas:
             got = serve(replica)
             assert got.token_ids == expected.token_ids
             assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
+            assert max_abs_diff([r[1:] for r in got.prompt_logprobs], [r[1:] for r in expected.prompt_logprobs]) < 1e-5
+        rollout_accuracy = accuracy(PROMPTS, expected.token_ids)
+        trainer_accuracy = accuracy(PROMPTS, group.generate(PROMPTS, NEW_TOKENS))
+        accuracies.append((trainer_accuracy, rollout_accuracy))
 
-        # Training moves the policy, and the FP8 rollouts follow it (FP8 rounding flips a few greedy tokens).
-        assert accuracies[-1][0] > accuracies[0][0] + 0.3, accuracies
-        assert all(abs(trainer - rollout) <= 0.15 for trainer, rollout in accuracies), accuracies
+    # Over the collective transport each rank broadcasts its parts on a channel of its own: the same model.
+    report = refit.sync(group, replicas, refit.SyncConfig(transport="collective", bucket_bytes=256 << 10))
+    assert versions[1] == versions[0] + 1 and report.version == versions[1] + 1 and report.buckets > 2
+    for replica in replicas:
+        got = serve(replica)
+        assert got.token_ids == expected.token_ids
+        assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
 
-        # Both paths ran: block-aligned shards quantized where they lie (q, o, gate, up, down), k and v
-        # (64 rows per rank, half an FP8 block) gathered, each rank owning half of them.
-        stats = group.stream_stats()
-        assert [s["quantized_rows"] for s in stats] == [10, 10]
-        assert [s["gather"] for s in stats] == [2, 2]
-        assert all(s["gathered_bytes"] == 4 * 128 * 256 * 2 for s in stats)  # every rank joins each all-gather
-    finally:
-        group.kill()
+    # Training moves the policy, and the FP8 rollouts follow it (FP8 rounding flips a few greedy tokens).
+    assert accuracies[-1][0] > accuracies[0][0] + 0.3, accuracies
+    assert all(abs(trainer - rollout) <= 0.15 for trainer, rollout in accuracies), accuracies
+
+    # Both paths ran: block-aligned shards quantized where they lie (q, o, gate, up, down), k and v
+    # (64 rows per rank, half an FP8 block) gathered, each rank owning half of them.
+    stats = group.stream_stats()
+    assert [s["quantized_rows"] for s in stats] == [10, 10]
+    assert [s["gather"] for s in stats] == [2, 2]
+    assert all(s["gathered_bytes"] == 4 * 128 * 256 * 2 for s in stats)  # every rank joins each all-gather
 
 
 @pytest.mark.parametrize(("transport", "method", "call", "where"), [
@@ -95,28 +92,29 @@ def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(repli
     ("ray", "_rows", 3, "the driver awaits its part; rank 0's part still arrives"),
     ("collective", "_rows", 3, "every replica's workers are receiving its broadcast"),
 ])
-def test_a_rank_that_dies_mid_sync_is_named_whichever_symptom_arrives_first(replicas, ray_cluster, transport, method, call, where):
+def test_a_rank_that_dies_mid_sync_is_named_whichever_symptom_arrives_first(replicas, actors_factory, transport, method, call,
+                                                                          where):
     """Rank 1 dies at a chosen point; its echoes (a broken gloo pair, a lost stream, a failed receive) are only notes."""
-    group = TrainerGroup(model_dir(True, "bf16"), 2, resources=TWO_NODES, timeout_s=20)
-    try:
-        run_in(group.ranks[1], die_at, method, call)
-        config = refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20, transport=transport)
-        start = time.monotonic()
-        with pytest.raises(refit.ActorDiedError, match=r"^trainer rank 1 died or is unreachable") as error:
-            refit.sync(group, replicas, config)
-        assert time.monotonic() - start < 60, where
-        assert error.value.who == "trainer rank 1"
-        notes = "\n".join(error.value.__notes__)
-        for i, replica in enumerate(replicas):
-            status = ray.get(replica.status.remote(), timeout=30)
-            assert status.phase in (Phase.SERVING, Phase.REFUSING), status  # whole, or refusing: never half-served
-            assert f"rollout {i}:" in notes
-    finally:
-        group.kill()
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=20)
+    run_in(group.ranks[1], die_at, method, call)
+    config = refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20, transport=transport)
+    start = time.monotonic()
+    with pytest.raises(refit.ActorDiedError, match=r"^trainer rank 1 died or is unreachable") as error:
+        refit.sync(group, replicas, config)
+    assert time.monotonic() - start < 60, where
+    assert error.value.who == "trainer rank 1"
+    notes = "\n".join(error.value.__notes__)
+    for i, replica in enumerate(replicas):
+        status = ray.get(replica.status.remote(), timeout=30)
+        assert status.phase in (Phase.SERVING, Phase.REFUSING), status  # whole, or refusing: never half-served
+        assert f"rollout {i}:" in notes
 
 
 def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster, tmp_path):
-    """Each rank holds its shards plus what one bucket needs; a full BF16 copy (108 MiB per rank here) would not fit."""
+    """Each rank holds its shards plus what one bucket needs; a full BF16 copy (108 MiB per rank here) would not fit.
+
+    The one group here that starts its own ranks (`resources=`); the others' come from the pool (`ranks=`).
+    """
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir(False, "bf16"))
@@ -154,6 +152,20 @@ def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster
         group.kill()
 
 
+def test_ranks_passed_in_are_refused_unless_they_are_handles_constructed_for_their_place(actors_factory):
+    model = model_dir(True, "bf16")
+    group = actors_factory.trainer_group(model)
+    with pytest.raises(refit.ConfigError, match=r"ranks\[0\] was constructed as rank 1 of 2: this group needs rank 0 of 2"):
+        TrainerGroup(model, 2, ranks=group.ranks[::-1])
+    with pytest.raises(refit.ConfigError, match=r"^ranks: 1 actors for world_size=2$"):
+        TrainerGroup(model, 2, ranks=group.ranks[:1])
+    with pytest.raises(refit.ConfigError, match=r"ranks\[1\] is .*TrainerRank.*, not an actor handle"):
+        TrainerGroup(model, 2, ranks=[group.ranks[0], TrainerRank])
+    with pytest.raises(refit.ConfigError, match="give one of them"):
+        TrainerGroup(model, 2, ranks=group.ranks, resources=TWO_NODES)
+    assert group.generate(PROMPTS[:2], 2)  # refused before any call reached them: the group still runs
+
+
 def test_ranks_that_disagree_on_a_tensor_are_refused_before_anything_starts():
     from refit.orchestration.syncer import _merge_metadata
     from refit.plan.tensors import TensorMeta
@@ -169,28 +181,25 @@ def test_moe_group_sends_each_expert_from_the_rank_that_holds_it(actors_factory,
     """FSDP2 shards the fused experts by expert: each rank sends its experts whole, per expert, in FP8_BLOCK;
     after a step, only what changed, and the replica then serves what a full sync gives it."""
     moe = dict(tied=False, arch="qwen3_moe")
-    group = TrainerGroup(model_dir(variant="bf16", **moe), 2, resources=TWO_NODES, lr=1e-5)
-    try:
-        fresh = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=1, kv_cache_dtype="fp8_e4m3")
-        expected = serve(fresh)
-        replica = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=2, **FP8_DUMMY)
-        full = refit.sync(group, replica)
-        got = serve(replica)
-        assert got.token_ids == expected.token_ids
-        assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
-        stats = group.stream_stats()
-        # 4 experts x 3 projections x 2 layers, 2 experts on each rank; the k/v projections (128 rows) gathered.
-        assert [s["whole"] for s in stats] == [12, 12] and [s["gather"] for s in stats] == [2, 2]
+    group = actors_factory.trainer_group(model_dir(variant="bf16", **moe), lr=1e-5)
+    fresh = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=1, kv_cache_dtype="fp8_e4m3")
+    expected = serve(fresh)
+    replica = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=2, **FP8_DUMMY)
+    full = refit.sync(group, replica)
+    got = serve(replica)
+    assert got.token_ids == expected.token_ids
+    assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
+    stats = group.stream_stats()
+    # 4 experts x 3 projections x 2 layers, 2 experts on each rank; the k/v projections (128 rows) gathered.
+    assert [s["whole"] for s in stats] == [12, 12] and [s["gather"] for s in stats] == [2, 2]
 
-        # A step at an RL learning rate, then a delta: each rank diffs the rows it sent last (its own experts).
-        group.train_step(make_sequences(8, 16, seed=1).tolist())
-        report = refit.sync(group, replica)
-        (delta,) = report.replicas
-        assert delta.mode == "delta" and delta.digest == report.digest
-        assert delta.bytes_received < 0.3 * full.replicas[0].bytes_received, (delta.bytes_received, full.replicas[0].bytes_received)
-        by_delta = serve(replica)
-        assert refit.sync(group, replica, refit.SyncConfig(delta="off")).replicas[0].mode == "full"
-        by_full = serve(replica)
-        assert (by_delta.token_ids, by_delta.logprobs) == (by_full.token_ids, by_full.logprobs)
-    finally:
-        group.kill()
+    # A step at an RL learning rate, then a delta: each rank diffs the rows it sent last (its own experts).
+    group.train_step(make_sequences(8, 16, seed=1).tolist())
+    report = refit.sync(group, replica)
+    (delta,) = report.replicas
+    assert delta.mode == "delta" and delta.digest == report.digest
+    assert delta.bytes_received < 0.3 * full.replicas[0].bytes_received, (delta.bytes_received, full.replicas[0].bytes_received)
+    by_delta = serve(replica)
+    assert refit.sync(group, replica, refit.SyncConfig(delta="off")).replicas[0].mode == "full"
+    by_full = serve(replica)
+    assert (by_delta.token_ids, by_delta.logprobs) == (by_full.token_ids, by_full.logprobs)
