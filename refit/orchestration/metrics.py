@@ -5,6 +5,9 @@ Ray serves them with the rest of its metrics on each node's export port
 prefixed `ray_`: `ray_refit_sync_seconds` (per stage), `ray_refit_sync_bytes`,
 `ray_refit_served_version`, `ray_refit_verification`,
 `ray_refit_post_refit_scale_writes` and `ray_refit_syncs` (by outcome).
+Each carries a `syncer` label, `SyncConfig.metrics_tag`. Every node serves
+them; Ray picks a free export port unless given one, and lists it as
+`ray.nodes()[i]["MetricsExportPort"]`.
 Nothing is recorded without a Ray connection (a single-process sync).
 """
 
@@ -26,15 +29,15 @@ def _metrics() -> dict[str, Any]:
 
     return {
         "seconds": metrics.Histogram(
-            "refit_sync_seconds", "Seconds a sync spent, per stage", tag_keys=("stage",),
+            "refit_sync_seconds", "Seconds a sync spent, per stage", tag_keys=("syncer", "stage"),
             boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300],
         ),
-        "bytes": metrics.Counter("refit_sync_bytes", "Bytes each replica fetched", tag_keys=("replica",)),
-        "version": metrics.Gauge("refit_served_version", "Weight version each replica serves", tag_keys=("replica",)),
-        "verification": metrics.Counter("refit_verification", "Sync verification outcomes", tag_keys=("outcome",)),
+        "bytes": metrics.Counter("refit_sync_bytes", "Bytes each replica fetched", tag_keys=("syncer", "replica")),
+        "version": metrics.Gauge("refit_served_version", "Weight version each replica serves", tag_keys=("syncer", "replica")),
+        "verification": metrics.Counter("refit_verification", "Sync verification outcomes", tag_keys=("syncer", "outcome")),
         "scale_writes": metrics.Counter(
-            "refit_post_refit_scale_writes", "KV-cache scales the post-refit stage wrote", tag_keys=("replica",)),
-        "syncs": metrics.Counter("refit_syncs", "Syncs, by outcome", tag_keys=("outcome",)),
+            "refit_post_refit_scale_writes", "KV-cache scales the post-refit stage wrote", tag_keys=("syncer", "replica")),
+        "syncs": metrics.Counter("refit_syncs", "Syncs, by outcome", tag_keys=("syncer", "outcome")),
     }
 
 
@@ -44,27 +47,27 @@ def _enabled() -> bool:
     return ray.is_initialized()
 
 
-def record_sync(report: SyncReport, verified: bool) -> None:
+def record_sync(report: SyncReport, verified: bool, syncer: str) -> None:
     if not _enabled():
         return
     m = _metrics()
     seconds = (report.plan_seconds, report.begin_seconds, report.stream_seconds, report.finish_seconds, report.total_seconds)
     for stage, value in zip(_STAGES, seconds):
-        m["seconds"].observe(value, tags={"stage": stage})
+        m["seconds"].observe(value, tags={"syncer": syncer, "stage": stage})
     for r in report.replicas:
-        replica = str(r.replica)
-        m["bytes"].inc(report.bytes_on_wire, tags={"replica": replica})
-        m["version"].set(r.served_version or 0, tags={"replica": replica})
+        replica = {"syncer": syncer, "replica": str(r.replica)}
+        m["bytes"].inc(report.bytes_on_wire, tags=replica)
+        m["version"].set(r.served_version or 0, tags=replica)
         if r.kv_scales_written:
-            m["scale_writes"].inc(len(r.kv_scales_written), tags={"replica": replica})
+            m["scale_writes"].inc(len(r.kv_scales_written), tags=replica)
     outcome = "off" if not verified else ("probe_breached" if report.probe_breached else "passed")
-    m["verification"].inc(tags={"outcome": outcome})
-    m["syncs"].inc(tags={"outcome": "served"})
+    m["verification"].inc(tags={"syncer": syncer, "outcome": outcome})
+    m["syncs"].inc(tags={"syncer": syncer, "outcome": "served"})
 
 
-def record_failure(verification_failed: bool) -> None:
+def record_failure(verification_failed: bool, syncer: str) -> None:
     if not _enabled():
         return
     if verification_failed:
-        _metrics()["verification"].inc(tags={"outcome": "failed"})
-    _metrics()["syncs"].inc(tags={"outcome": "failed"})
+        _metrics()["verification"].inc(tags={"syncer": syncer, "outcome": "failed"})
+    _metrics()["syncs"].inc(tags={"syncer": syncer, "outcome": "failed"})

@@ -352,7 +352,7 @@ class Syncer:
         )
         if report.probe_breached:
             log.warning("sync %s v%d: the logprob probe breached its thresholds (flagged, not failed)", sync_id, version)
-        record_sync(report, verified=self.config.verify is not Verify.OFF)
+        record_sync(report, verified=self.config.verify is not Verify.OFF, syncer=self.config.metrics_tag)
         return report
 
     def _attempt(
@@ -648,7 +648,7 @@ class Syncer:
         if self._group is not None:
             self._disconnect(roll.members)
         log.warning("sync %s failed: %s\n  %s", sync_id, summary(cause), "\n  ".join(getattr(cause, "__notes__", [])))
-        record_failure(verification_failed=isinstance(cause, VerificationError))
+        record_failure(verification_failed=isinstance(cause, VerificationError), syncer=self.config.metrics_tag)
         return cause
 
     def _abort(self, sync_id: str, error: BaseException, members: list[tuple[str, Any]]) -> None:

@@ -116,6 +116,10 @@ class SyncConfig:
     once fewer than `min_replicas` remain, the sync fails instead, naming the lost one, and every
     survivor's update is aborted. Set it to the fleet's size to fail on any loss, as before fleets."""
 
+    metrics_tag: str = "refit"
+    """The `syncer` label of this Syncer's Ray metrics (`refit/orchestration/metrics.py`): give Syncers
+    that share a driver (a policy and a reference model, say) their own, to tell their syncs apart."""
+
     startup_timeout_s: float = 1800.0
     """How long a sync waits for trainer ranks and replicas that are still being constructed
     (loading a model, starting an engine: minutes on a GPU with torch.compile and CUDA graphs)
@@ -168,6 +172,8 @@ class SyncConfig:
             problems.append(f"on_probe_breach={self.on_probe_breach!r}: expected 'fail' or 'flag'")
         if self.progress not in (None, True, False):
             problems.append(f"progress={self.progress!r}: expected True, False or None")
+        if not isinstance(self.metrics_tag, str) or not self.metrics_tag:
+            problems.append(f"metrics_tag={self.metrics_tag!r}: expected a non-empty str")
         if not isinstance(self.check_against_rollout, bool):
             problems.append(f"check_against_rollout={self.check_against_rollout!r}: expected True or False")
         for name in ("timeout_s", "startup_timeout_s"):

@@ -209,7 +209,7 @@ def test_only_verification_failures_count_as_failed_verifications(monkeypatch):
     from refit.errors import VerificationError
 
     recorded = []
-    monkeypatch.setattr(syncer_module, "record_failure", lambda verification_failed: recorded.append(verification_failed))
+    monkeypatch.setattr(syncer_module, "record_failure", lambda verification_failed, syncer: recorded.append(verification_failed))
     for failure, counted in ((EngineError("rollout 0 died"), False), (VerificationError("bucket 1 arrived altered"), True)):
         trainer, replicas = setup(finish=failure)
         with pytest.raises(type(failure)):

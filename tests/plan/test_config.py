@@ -34,6 +34,8 @@ def test_policies_are_accepted_as_strings_or_enums_alike():
     ({"calibration_prompts": [[1, -2]]}, "token ids [-2]"),
     ({"timeout_s": 0}, "timeout_s=0"),
     ({"max_buckets_in_flight": 0}, "max_buckets_in_flight=0"),
+    ({"metrics_tag": ""}, "metrics_tag='': expected a non-empty str"),
+    ({"metrics_tag": 3}, "metrics_tag=3: expected a non-empty str"),
 ])
 def test_bad_sync_settings_are_named(kwargs, message):
     with pytest.raises(ConfigError) as error:
