@@ -75,6 +75,8 @@ class TrainerRank:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if torch.distributed.is_initialized():
+            raise ConfigError(f"trainer rank {self.rank} is in a group already: its leave_group() comes before it joins another")
         mesh = init_trainer_group(self.rank, self.world_size, address, port, timeout_s)
         torch.manual_seed(seed)  # the same initial weights on every rank, before sharding
         if reinitialize:

@@ -152,7 +152,7 @@ def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster
         group.kill()
 
 
-def test_ranks_passed_in_are_refused_unless_they_are_handles_constructed_for_their_place(actors_factory):
+def test_ranks_passed_in_are_refused_unless_they_are_free_handles_constructed_for_their_place(actors_factory):
     model = model_dir(True, "bf16")
     group = actors_factory.trainer_group(model)
     with pytest.raises(refit.ConfigError, match=r"ranks\[0\] was constructed as rank 1 of 2: this group needs rank 0 of 2"):
@@ -163,6 +163,8 @@ def test_ranks_passed_in_are_refused_unless_they_are_handles_constructed_for_the
         TrainerGroup(model, 2, ranks=[group.ranks[0], TrainerRank])
     with pytest.raises(refit.ConfigError, match="give one of them"):
         TrainerGroup(model, 2, ranks=group.ranks, resources=TWO_NODES)
+    with pytest.raises(refit.ConfigError, match=r"trainer rank \d is in a group already: its leave_group\(\) comes before"):
+        TrainerGroup(model, 2, ranks=group.ranks)
     assert group.generate(PROMPTS[:2], 2)  # refused before any call reached them: the group still runs
 
 
