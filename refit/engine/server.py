@@ -48,6 +48,7 @@ needs none.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -227,8 +228,11 @@ class ServerAdapter:
                 f"the server at {self.url} did not answer {what} within {timeout_s:.0f} s (SyncConfig.timeout_s); "
                 "it is hung or overloaded"
             ) from None
-        except (urllib.error.URLError, ConnectionError, OSError) as error:
-            reason = getattr(error, "reason", error)
+        except (urllib.error.URLError, ConnectionError, OSError, http.client.HTTPException) as error:
+            # An HTTPException (IncompleteRead, RemoteDisconnected): the connection closed part-way through the
+            # answer, as when the server dies while it answers. The server is as gone as one that refuses connections.
+            reason = (f"the connection closed before the answer was complete ({error!r})"
+                      if isinstance(error, http.client.HTTPException) else getattr(error, "reason", error))
             fix = if_unreachable or (
                 f"it died or its address is wrong. If it died, restart it ({_START_HINT}) and create a new "
                 "actors.ServerRollout for it"

@@ -63,3 +63,36 @@ def test_refit_call_returns_the_result_or_the_workers_exception_with_its_type():
 def test_an_exception_that_cannot_be_pickled_arrives_as_its_type_and_message():
     ok, error = decode_reply(_Worker().refit_call(encode_call("fail_unpicklably")))
     assert not ok and type(error) is RuntimeError and str(error) == "_Unpicklable: kept as text"
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n{}",  # the body stops 38 bytes short: IncompleteRead
+    b"",  # no status line at all: RemoteDisconnected
+])
+def test_a_server_that_closes_the_connection_mid_answer_is_gone_not_an_unknown_error(answer):
+    """What a `vllm serve` killed while it answers looks like to its replica (seen in a suite run beside a busy loop:
+    the fleet then raised `IncompleteRead` instead of dropping the server's replica)."""
+    import socket
+    import threading
+
+    from refit.engine.server import ServerAdapter
+    from refit.errors import ServerGoneError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_once() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(answer)
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ServerGoneError, match=rf"127\.0\.0\.1:{port} could not be reached for GET /health: "
+                                                  r"the connection closed before the answer was complete"):
+            ServerAdapter(f"http://127.0.0.1:{port}", connect_timeout_s=10)
+    finally:
+        thread.join(timeout=10)
+        listener.close()
