@@ -135,19 +135,32 @@ def test_recompute_matches_amax_measured_on_the_trainers_model(seed_setup):
     assert_recomputed(rollout, changed, refit.sync(trainer, rollout, config).version)
 
 
-def test_recompute_with_tensor_parallel_two_takes_the_max_over_ranks(actors_factory):
-    """Each TP rank sees half the heads; the scale is the amax over both, as on one rank."""
+def test_tensor_parallel_two_each_transport_reaches_both_workers_and_a_recompute_takes_the_max_over_ranks(actors_factory):
+    """TP=2, each worker a process of its own: both transports deliver to both, and the scales are the max over ranks.
+
+    Each rank sees half the heads, so the scale is the amax over both, as on one rank. bf16 weights with an FP8
+    KV cache: the fixture's k/v projections (2 heads x 64) split over two ranks are 64 rows, less than one
+    128-row FP8 block, which vLLM refuses to shard. One engine for all of it: two worker processes poll for
+    work while their engine serves, most of a core between them.
+    """
     trainer = actors_factory.trainer(model_dir(True, "bf16"))
-    # bf16 weights with an FP8 KV cache: the fixture's k/v projections (2 heads x 64) split over
-    # two ranks are 64 rows, less than one 128-row FP8 block, which vLLM refuses to shard.
     rollout = actors_factory.rollout(
         model_dir(True, "bf16"), load_format="dummy", kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker; vLLM cannot auto-bind 2 on 1 NUMA node
     )
-    config = refit.SyncConfig(kv_scales="recompute", calibration_prompts=CALIBRATION)
+    # From the dummy weights over the collective transport: both workers join the group and receive every bucket.
+    config = refit.SyncConfig(transport="collective", bucket_bytes=128 << 10, kv_scales="recompute", calibration_prompts=CALIBRATION)
     report = refit.sync(trainer, rollout, config)
+    assert report.buckets > 2 and report.replicas[0].served_version == report.version
     assert_recomputed(rollout, run_in(trainer, attention_amax, CALIBRATION), report.version)
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+    # Then over Ray's object store, after the trainer changed: each rank's recompute sees the new weights.
+    for proj in ("q_proj", "v_proj"):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        run_in(trainer, set_parameter, name, 1.5 * run_in(trainer, parameter, name))
+    report = refit.sync(trainer, rollout, refit.SyncConfig(kv_scales="recompute", calibration_prompts=CALIBRATION))
+    assert_recomputed(rollout, run_in(trainer, attention_amax, CALIBRATION), report.version)
 
 
 @ray.remote

@@ -5,9 +5,9 @@ transport needs); replica 1 runs it in a process of its own
 (VLLM_ENABLE_V1_MULTIPROCESSING=1), so only a transport that bypasses vLLM's
 RPC for the bytes can reach it. Both are FP8_BLOCK, dummy-loaded, with an
 FP8 KV cache, on two nodes, synced from a tied-embedding trainer on a third.
-(Tensor-parallel workers in their own processes: the AsyncLLM rollout's
-tests, in bf16, since the fixture's 128-row k/v cannot split into 128-row
-FP8 blocks over two ranks.)
+(Two tensor-parallel workers in their own processes, over both transports:
+test_kv_scales_e2e.py, in bf16, since the fixture's 128-row k/v cannot
+split into 128-row FP8 blocks over two ranks.)
 """
 
 from __future__ import annotations

@@ -56,20 +56,5 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
 
 
 # FP8_BLOCK replicas on two nodes against a fresh engine on the same weights, over
-# both transports: tests/sync/test_collective_transport.py.
-
-
-def test_tensor_parallel_engine_with_worker_processes(actors_factory):
-    """TP=2: each worker is its own process, reached through the worker extension (ray and collective transports)."""
-    trainer = changed_trainer(actors_factory, tied=True)
-    rollout = actors_factory.rollout(
-        model_dir(True, "bf16"), load_format="dummy", tensor_parallel_size=2,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per worker; vLLM cannot auto-bind 2 on 1 NUMA node
-    )
-    # From the dummy weights over the collective transport (both workers join the group and receive every
-    # bucket themselves), then over Ray's object store: the trainer's greedy tokens both times.
-    report = refit.sync(trainer, rollout, refit.SyncConfig(transport="collective", bucket_bytes=128 << 10))
-    assert report.replicas[0].served_version == 1 and report.buckets > 2
-    assert_greedy_under_the_trainer(trainer, 1, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids)
-    assert refit.sync(trainer, rollout).replicas[0].served_version == 2
-    assert_greedy_under_the_trainer(trainer, 2, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids)
+# both transports: tests/sync/test_collective_transport.py. Tensor parallelism 2, each worker a process of its
+# own, over both transports: tests/provenance/test_kv_scales_e2e.py.
