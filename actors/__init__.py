@@ -5,10 +5,14 @@ relies only on the methods of `refit.protocols.WeightSource` (a trainer, or
 each rank of a `TrainerGroup`) and `refit.protocols.RolloutReplica`.
 """
 
-from actors.async_rollout import AsyncRolloutActor
-from actors.rollout import RolloutActor
-from actors.server_rollout import ServerRollout
-from actors.trainer import TrainerActor
-from actors.trainer_group import TrainerGroup, TrainerRank
+from refit.import_heap import collector_paused
+
+# These import torch and Ray, in every actor process and driver (refit/import_heap.py says why without collections).
+with collector_paused():
+    from actors.async_rollout import AsyncRolloutActor
+    from actors.rollout import RolloutActor
+    from actors.server_rollout import ServerRollout
+    from actors.trainer import TrainerActor
+    from actors.trainer_group import TrainerGroup, TrainerRank
 
 __all__ = ["AsyncRolloutActor", "RolloutActor", "ServerRollout", "TrainerActor", "TrainerGroup", "TrainerRank"]

@@ -15,6 +15,7 @@ import ray
 import torch
 
 from actors._measure import timed
+from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.data_path import produce_buckets
 from refit.plan.tensors import TensorMeta
@@ -31,8 +32,9 @@ __all__ = ["TrainerActor"]
 class TrainerActor:
     def __init__(self, model_dir: str, *, lr: float = 1e-3, seed: int = 0, reinitialize: bool = False) -> None:
         """Load a causal LM (bf16) from `model_dir`; `reinitialize` re-draws its weights from `seed`."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+        with collector_paused():
+            from transformers import AutoConfig, AutoModelForCausalLM
+        freeze_import_heap()
         torch.manual_seed(seed)
         if reinitialize:
             self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

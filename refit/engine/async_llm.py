@@ -41,9 +41,9 @@ import torch
 
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
-from refit.engine.llm import freeze_import_heap
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
+from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import ScaleRecord
@@ -75,9 +75,9 @@ class Completion:
 def start_async_llm(config: EngineConfig) -> Any:
     """Start the `AsyncLLM` that `config` describes."""
     config.check_model_directory()
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
+    with collector_paused():
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
     freeze_import_heap()
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**config.llm_kwargs(on_gpu=torch.cuda.is_available())))
 

@@ -14,7 +14,6 @@ pause. `llm_replica(llm)` is the two together.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +26,7 @@ import torch
 from refit.engine.config import EngineConfig
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore
 from refit.errors import ConfigError, EngineError
+from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
 
@@ -51,25 +51,12 @@ def start_llm(config: EngineConfig) -> Any:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _refuse_if_it_cannot_fit(config)
-    from vllm import LLM
-
+    with collector_paused():
+        from vllm import LLM
     freeze_import_heap()
     kwargs = config.llm_kwargs(on_gpu=on_gpu)
     with _tokenizerless_chat_warmup_unlogged(kwargs):
         return LLM(**kwargs)
-
-
-def freeze_import_heap() -> None:
-    """Move every object alive now (the imports of torch, transformers and vLLM) out of the garbage collector's reach.
-
-    vLLM's start runs a full `gc.collect()` five times, and each walks every
-    object the imports made: 0.2 s apiece on these CPUs, half the start of a
-    small engine. vLLM freezes its heap itself once started
-    (`freeze_gc_heap`); freezing before the start saves those walks. Objects
-    frozen are never collected, so call it only where that is what is wanted:
-    in an engine's own process, right before the engine starts.
-    """
-    gc.freeze()
 
 
 def llm_replica(llm: Any) -> ReplicaCore:

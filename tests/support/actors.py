@@ -60,6 +60,13 @@ def node_id(_actor) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def collector_state(_actor) -> tuple[bool, bool]:
+    """Whether the process's garbage collector is on, and whether it froze a heap (refit/import_heap.py)."""
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count() > 0
+
+
 def rss_bytes(_actor) -> int:
     """Resident memory private to the actor's process (`actors._measure.private_rss_bytes`)."""
     from actors._measure import private_rss_bytes
