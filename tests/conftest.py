@@ -41,6 +41,16 @@ other worker idled (40 min of tests, for 36 min of work per worker). Only
 the order depends on this list; a stale entry costs minutes, never a result."""
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Collecting imports vLLM, torch and transformers into this process: without the collector's passes
+    (refit/import_heap.py says why)."""
+    from refit.import_heap import collector_paused
+
+    with collector_paused():
+        return (yield)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
