@@ -43,12 +43,14 @@ the order depends on this list; a stale entry costs minutes, never a result."""
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session: pytest.Session):
-    """Collecting imports vLLM, torch and transformers into this process: without the collector's passes
-    (refit/import_heap.py says why)."""
-    from refit.import_heap import collector_paused
+    """Collecting imports vLLM, torch and transformers into this process: without the collector's passes, then
+    frozen, as in refit's actor processes (refit/import_heap.py says why); this process lives as long as the run."""
+    from refit.import_heap import collector_paused, freeze_import_heap
 
     with collector_paused():
-        return (yield)
+        collected = yield
+    freeze_import_heap()
+    return collected
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
