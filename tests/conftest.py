@@ -4,7 +4,7 @@ Every Ray test shares it (starting a cluster costs ~15 s). Node i carries a
 custom resource `node<i>`, so a test can pin an actor to a node and then
 assert where it ran. Actors come from the `actors_factory` fixture, which
 lends them from a pool of processes reused across tests (tests/support/pool.py:
-a new process spends ~15 s of CPU importing vLLM) and takes them back, or
+a new rollout process spends ~8 s of CPU, mostly importing vLLM) and takes them back, or
 kills them, when the test ends.
 
 Tests that start Ray or vLLM carry the `engine` marker (added here for every
@@ -247,7 +247,7 @@ def _shared_replica_processes(ray_cluster) -> Iterator[list]:
 def shared_replicas(_shared_replica_processes) -> Iterator[list]:
     """Two FP8_BLOCK replicas started the README's way (dummy load, FP8 KV cache) on nodes 1 and 2, for a module.
 
-    An engine costs ~15 s to start, and most fault and sync tests prove nothing
+    A rollout process costs ~8 s of CPU to start, and most fault and sync tests prove nothing
     new by owning one, so modules share these. Named (`SHARED_REPLICAS` in
     `NAMESPACE`) so that another driver process can reach them. The contract
     of a user: its first sync makes them whole again (a failed sync may have
