@@ -68,6 +68,7 @@ def record_sync(report: SyncReport, verified: bool, syncer: str) -> None:
 def record_failure(verification_failed: bool, syncer: str) -> None:
     if not _enabled():
         return
+    m, failed = _metrics(), {"syncer": syncer, "outcome": "failed"}
     if verification_failed:
-        _metrics()["verification"].inc(tags={"syncer": syncer, "outcome": "failed"})
-    _metrics()["syncs"].inc(tags={"syncer": syncer, "outcome": "failed"})
+        m["verification"].inc(tags=failed)
+    m["syncs"].inc(tags=failed)
