@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -74,3 +75,43 @@ def test_mixed_block_structures_are_refused(config):
 def test_block_structure_must_be_positive():
     with pytest.raises(UnsupportedSchemeError, match="block structure"):
         Fp8BlockScheme(block=(128, 0))
+
+
+NAMES = ["model.layers.0.self_attn.q_proj", "model.layers.10.mlp.down_proj", "lm_head", "model.embed_tokens",
+         "model.layers.0.mlp.experts.3.up_proj", "mlp.down_proj"]
+PATTERNS = ["lm_head", "Linear", "re:.*mlp\\.down_proj$", "re:mlp", "re:model\\.layers\\.1", "re:.*experts\\.\\d+\\.",
+            "model.embed_tokens", "down_proj", "re:lm_head|model\\.embed_tokens", "re:"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_matches_names_as_compressed_tensors_match_name_does(pattern):
+    from compressed_tensors.utils.match import match_name
+
+    for name in NAMES:
+        scheme = Fp8BlockScheme(targets=(pattern,), ignore=())
+        assert scheme.quantizes(name, ()) == match_name(name, pattern), (name, pattern)
+
+
+@pytest.mark.parametrize(("field", "entry", "message"), [
+    ("targets", "re:model.(layers", "targets entry 're:model.(layers' is not a valid regex"),
+    ("ignore", 7, "ignore entry 7: expected a str"),
+])
+def test_a_bad_target_or_ignore_entry_is_refused_naming_it(config, field, entry, message):
+    config = copy.deepcopy(config)
+    if field == "ignore":
+        config["ignore"] = ["lm_head", entry]
+    else:
+        config["config_groups"]["group_0"]["targets"] = [entry]
+    with pytest.raises(UnsupportedSchemeError, match=re.escape(message)):
+        Fp8BlockScheme.from_quantization_config(config)
+
+
+def test_planning_does_not_import_compressed_tensors():
+    """A driver's first plan used to import it (~3 s of CPU, transformers with it) for three lines of matching."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from refit.quantizer import Fp8BlockScheme; "
+            "s = Fp8BlockScheme(ignore=('re:.*lm_head',)); assert s.quantizes('model.layers.0.mlp.up_proj', ('Linear',)); "
+            "assert 'compressed_tensors' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
