@@ -32,6 +32,7 @@ import ray
 from actors import RolloutActor, TrainerActor, TrainerRank
 from actors._replica_shell import CONCURRENCY_GROUPS
 from refit.engine.config import EngineConfig
+from refit.import_heap import freeze_import_heap
 from tests.support.actors import STARTUP_S
 
 IDLE_PER_NODE = {"rollout": 2, "trainer": 4, "rank": 1}
@@ -75,7 +76,7 @@ class PooledRollout(_Rollout):
         # so later passes skip it. A full pass costs ~0.3-0.7 s here: another `cleanup_dist_env_and_memory` (two
         # more, for groups vLLM already destroyed) made a park cost ~3 s of CPU, the engine start after it ~0.8.
         gc.collect()
-        gc.freeze()
+        freeze_import_heap()
 
     def restart(self, config: EngineConfig) -> None:
         self.park()
