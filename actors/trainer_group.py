@@ -181,13 +181,17 @@ class TrainerRank:
             self.model.save_pretrained(directory, state_dict=state)
 
     def leave_group(self) -> None:
-        """Drop the model and leave the torch.distributed group, so that this process can join another group.
+        """Leave every group this rank is in and drop its model, so that this process can join another group.
 
         torch keeps one default group per process: a rank that is to set up
         again (a new group, after its peers were replaced) must destroy the old
         one first. Its collectives' peers may be gone; destroying the group
-        needs none of them.
+        needs none of them. A sync's collective transport group goes too, and
+        with it the delta base: those rows were this rank's share of the old
+        model, so the first sync from the new group is a full one.
         """
+        transport, self._transport = self._transport, TransportSender()
+        transport.leave()
         for attribute in ("model", "optimizer", "source"):
             self.__dict__.pop(attribute, None)
         if torch.distributed.is_initialized():

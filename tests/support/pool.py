@@ -121,9 +121,10 @@ class PooledTrainerRank(_Rank):
     """A `TrainerRank` that can join another group in the same process (as another rank)."""
 
     def park(self) -> None:
-        """Leave the group and drop the model: what a rank must do before it sets up again."""
+        """Leave the group and drop the model: what a rank must do before it sets up again (a parked rank has left)."""
         try:
-            self.leave_group()
+            if self.__dict__:
+                self.leave_group()
         finally:
             self.__dict__.clear()
             gc.collect()

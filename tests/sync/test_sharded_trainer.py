@@ -168,6 +168,24 @@ def test_ranks_passed_in_are_refused_unless_they_are_free_handles_constructed_fo
     assert group.generate(PROMPTS[:2], 2)  # refused before any call reached them: the group still runs
 
 
+def test_a_rank_that_leaves_its_group_is_in_no_group_and_sets_up_in_a_new_one(replicas, actors_factory):
+    """`leave_group()` leaves the torch.distributed group and the open Syncer's collective group, and drops the
+    delta base (its rows were the old model's): the same processes set up again, and the next sync is full."""
+    model = model_dir(True, "bf16")
+    group = actors_factory.trainer_group(model)
+    config = refit.SyncConfig(transport="collective", bucket_bytes=256 << 10, verify="probe")
+    with refit.Syncer(group, replicas, config) as syncer:
+        syncer.sync()
+        assert all(ray.get([rank.transport_group.remote() for rank in group.ranks], timeout=30))
+        ray.get([rank.leave_group.remote() for rank in group.ranks], timeout=60)
+        assert ray.get([rank.transport_group.remote() for rank in group.ranks], timeout=30) == [None, None]
+        assert ray.get([rank.base_entries.remote() for rank in group.ranks], timeout=30) == [[], []]
+
+        TrainerGroup(model, 2, ranks=group.ranks, seed=7, reinitialize=True)  # another model: the old one's rows are no base
+        report = syncer.sync()  # the Syncer sees its ranks left the group and makes a new one; the probe checks what is served
+    assert [(r.mode, r.served_version) for r in report.replicas] == [("full", report.version)] * 2
+
+
 def test_ranks_that_disagree_on_a_tensor_are_refused_before_anything_starts():
     from refit.orchestration.syncer import _merge_metadata
     from refit.plan.tensors import TensorMeta
