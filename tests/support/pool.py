@@ -48,6 +48,11 @@ _Trainer = TrainerActor.__ray_metadata__.modified_class.__ray_actor_class__
 _Rank = TrainerRank.__ray_metadata__.modified_class.__ray_actor_class__
 
 
+def _in_no_transport_group(self) -> bool:
+    """A pooled trainer's or rank's `idle`: what a test may leave it in that the next must not find is a collective group."""
+    return self.transport_group() is None
+
+
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class PooledRollout(_Rollout):
     """A `RolloutActor` whose engine can be replaced by another in the same process."""
@@ -112,8 +117,7 @@ class PooledTrainer(_Trainer):
         self.park()
         _Trainer.__init__(self, model_dir, **kwargs)
 
-    def idle(self) -> bool:
-        return self.transport_group() is None
+    idle = _in_no_transport_group
 
 
 @ray.remote
@@ -133,8 +137,7 @@ class PooledTrainerRank(_Rank):
         self.park()
         _Rank.__init__(self, rank, world_size)
 
-    def idle(self) -> bool:
-        return self.transport_group() is None
+    idle = _in_no_transport_group
 
 
 @dataclass(frozen=True)
