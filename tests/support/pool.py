@@ -110,6 +110,8 @@ class PooledTrainer(_Trainer):
 
     def park(self) -> None:
         """Drop the model while the actor waits in the pool (its memory, not its CPU: an idle trainer costs Ray's ~1%)."""
+        if not self.__dict__:
+            return  # parked already: nothing new to collect
         self.__dict__.clear()
         gc.collect()
 
@@ -125,10 +127,11 @@ class PooledTrainerRank(_Rank):
     """A `TrainerRank` that can join another group in the same process (as another rank)."""
 
     def park(self) -> None:
-        """Leave the group and drop the model: what a rank must do before it sets up again (a parked rank has left)."""
+        """Leave the group and drop the model: what a rank must do before it sets up again."""
+        if not self.__dict__:
+            return  # parked already (returned to the pool, then restarted): it has left, and its model was collected
         try:
-            if self.__dict__:
-                self.leave_group()
+            self.leave_group()
         finally:
             self.__dict__.clear()
             gc.collect()
