@@ -85,7 +85,7 @@ def stages_start(actor: Any) -> None:
         from refit.transport.delta import ReplicaBase
 
         clock.wrap(replica_module, "fetch_parts", "fetch")
-        clock.wrap(data_path, "_check_checksums", "verify")
+        clock.wrap(data_path, "_check_tags", "verify")
         clock.wrap(ReplicaBase, "rebuild", "keep base / rebuild delta")
         clock.wrap(actor.replica.workers, "load", "load")
         clock.wrap(actor.replica.workers, "finish_update", "finalize")
@@ -96,7 +96,7 @@ def stages_start(actor: Any) -> None:
 
         clock.wrap(data_path, "_preflight", "preflight")
         clock.wrap(data_path, "quantize_fp8_block", "quantize")
-        clock.wrap(buckets, "crc32", "checksum")
+        clock.wrap(buckets, "tag", "integrity tag")
         from refit.transport.delta import SenderBase
 
         clock.wrap(SenderBase, "_delta", "delta encode")

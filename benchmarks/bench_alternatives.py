@@ -5,9 +5,12 @@ trainer on node 0 and one FP8_BLOCK dummy-loaded rollout with an FP8 KV cache
 on node 1; each path is timed as the median of `--repeats` runs after a
 warm-up:
 
-- refit's full sync over `ray` and over `collective`, with checksums (the
-  default) and with `verify="off"` (the rollout forgets its delta base before
-  each, so every sync sends every byte; `bench_delta` measures deltas);
+- refit's full sync over `ray` and over `collective`, verified (the default:
+  keyed integrity tags made by the trainer and checked before loading, every
+  tensor arrived, scales read back) and with `verify="off"` (the rollout
+  forgets its delta base before each, so every sync sends every byte;
+  `bench_delta` measures deltas); the table prints what verification costs
+  as a share of the verified sync (issue 45's target: at most 5%);
 - the default sync from a second trainer on the rollout's own node: one
   host's Ray node, where the rollout reads each bucket from its node's
   object store without a copy between raylets, as the round trip shares one
@@ -61,7 +64,7 @@ from tests.support.actors import run_in
 
 ROUND_TRIP = "round trip (/dev/shm)"
 CLONE = "clone (bandwidth floor)"
-DEFAULT = "refit ray, checksums (default)"
+DEFAULT = "refit ray, verified (default)"
 ONE_NODE = "refit ray, default, one node"
 
 
@@ -73,7 +76,7 @@ def refit_paths(bucket_bytes: int) -> dict[str, refit.SyncConfig]:
     return {
         DEFAULT: config(),
         "refit ray, verify off": config(verify="off"),
-        "refit collective, checksums": config(transport="collective"),
+        "refit collective, verified": config(transport="collective"),
         "refit collective, verify off": config(transport="collective", verify="off"),
         "bf16 wire, quantize on rollout": config(quantize_on="rollout"),
         "one call per tensor": config(bucket_bytes=1),
@@ -243,6 +246,11 @@ def table(size: SizeResult) -> str:
         ratio = f"{round_trip / result.median:.2f}x" if name != CLONE else ""
         bandwidth = f"{floor / result.median:.2f}" if name not in (CLONE, ROUND_TRIP) else ""
         lines.append(f"  {name:<32} {result.median:>9.3f} {ratio:>14} {bandwidth:>12}  {stages}")
+    for transport, verified in (("ray", DEFAULT), ("collective", "refit collective, verified")):
+        off = f"refit {transport}, verify off"
+        if verified in size.paths and off in size.paths:
+            cost = 1 - size.paths[off].median / size.paths[verified].median
+            lines.append(f"  verification's cost over {transport}: {cost:+.1%} of the verified sync (target: at most 5%)")
     for side, stages in size.stage_detail.items():
         lines.append(f"  {DEFAULT} by stage, {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
     bucket = size.largest_bucket_bytes

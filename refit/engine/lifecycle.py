@@ -80,6 +80,7 @@ class _Update:
     deadline: float
     resume: ReplicaStatus  # where a failure with nothing loaded returns to
     buckets_loaded: int = 0
+    version: int | None = None  # the version the loaded buckets carry (every bucket of an update carries one)
 
 
 class UpdateLifecycle:
@@ -156,6 +157,12 @@ class UpdateLifecycle:
                     f"load_bucket: version {version} is below {update.proposed_version}, the lowest this "
                     "replica accepts (it has begun or served that number already)"
                 )
+            if update.version not in (None, version):
+                raise LifecycleError(
+                    f"load_bucket: a bucket of version {version} during the update to version {update.version}; "
+                    "one update loads one version"
+                )
+            update.version = version
             update.buckets_loaded += 1
             update.deadline = self._clock() + update.lease_s
             self._highest_version = max(self._highest_version, version)
@@ -163,6 +170,22 @@ class UpdateLifecycle:
     def renew(self, sync_id: str, step: str) -> None:
         with self._cond:
             update = self._owned(sync_id, step)
+            update.deadline = self._clock() + update.lease_s
+
+    def finishing(self, sync_id: str, version: int) -> None:
+        """Before an update is finished: the caller owns it, and `version` is the one it began and loaded.
+
+        Why: a finish naming another version would serve the loaded weights
+        under a label they do not have (and burn version numbers).
+        """
+        with self._cond:
+            update = self._owned(sync_id, "finish_update")
+            if version < update.proposed_version or update.version not in (None, version):
+                loaded = f"its buckets carry version {update.version}" if update.version is not None else "no bucket was loaded"
+                raise LifecycleError(
+                    f"finish_update: version {version} is not the version sync {sync_id} began ({loaded}, the lowest "
+                    f"accepted is {update.proposed_version}); nothing was finished"
+                )
             update.deadline = self._clock() + update.lease_s
 
     def finished(self, sync_id: str, version: int) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
-from refit.errors import LifecycleError, VerificationError
+from refit.errors import InvalidTensorError, LifecycleError, PlanMismatchError, VerificationError
 from refit.plan.config import Pause, SyncConfig, Transport, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -232,7 +232,8 @@ class ReplicaCore:
                     start = time.perf_counter()
                     self.workers.load(tensors, version, verify=verify)
             except BaseException as error:
-                self._close(sync_id, f"loading a bucket failed: {error}")
+                refused = isinstance(error, (VerificationError, InvalidTensorError, PlanMismatchError))
+                self._close(sync_id, f"loading a bucket failed: {error}", model_changed=self._loaded_anything() if refused else None)
                 raise
             seconds = time.perf_counter() - start
             self._progress["buckets"] += 1
@@ -245,7 +246,7 @@ class ReplicaCore:
         A failed check raises, and the replica has closed the update and refuses.
         """
         with self._lock:
-            self.lifecycle.renew(sync_id, "finish_update")
+            self.lifecycle.finishing(sync_id, version)
             start = time.perf_counter()
             plan, config = self._open
             outcome, probe_passed, stage = "off", None, "finishing the reload"
@@ -255,7 +256,7 @@ class ReplicaCore:
                     refuse_partial(plan, received)
                 self.workers.finish_update()  # refuses an incomplete update, or scales the engine holds wrongly
                 if config.verify is not Verify.OFF:
-                    outcome = f"checksums, {len(received)} tensors complete, scales read back"
+                    outcome = f"integrity tags, {len(received)} tensors complete, scales read back"
                 self.engine.resume()  # the stage may generate; users' requests are still held
                 stage = "the post-refit KV-scale stage"
                 written = self._apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
@@ -364,6 +365,20 @@ class ReplicaCore:
         self.engine.release_requests()  # held requests now run, or are refused
         self._record(sync_id, None, f"failed: {reason}")
         return status
+
+    def _loaded_anything(self) -> bool | None:
+        """Whether the open update handed the engine any tensor; None if its workers cannot say (the bucket count decides).
+
+        Why ask: a bucket refused before loading (an integrity tag, a name,
+        dtype, shape or scale the plan does not allow) leaves the model as it
+        was, so a replica that loaded nothing else keeps serving its version.
+        Asked only after such a refusal: a hung or dead engine would make the
+        question wait out another deadline.
+        """
+        try:
+            return bool(self.workers.streamed())
+        except Exception:  # noqa: BLE001 - a worker that cannot answer: assume the worst
+            return None
 
     def _record(self, sync_id: str, version: int | None, outcome: str, **extra: Any) -> None:
         self._last_update = {

@@ -83,7 +83,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
     version: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    verify: bool = False  # check checksums, keep the streamed weight scales and read the engine's back at finish
+    verify: bool = False  # check integrity tags, keep the streamed weight scales and read the engine's back at finish
     contents: list | None = None  # `BucketContents.to_plain()` per sending rank: the bytes come over the transport
     next_bucket_bytes: list | None = None  # per sending rank, the next part's size, so its receive is posted before this one loads
 
@@ -175,8 +175,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._update_version = update_info.version
         tensors = update_info.tensors if update_info.contents is None else self._arrived(update_info)
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
+        self._streamed |= {name for name, _ in tensors}  # before loading: a load that fails half-way changed the model
         self._loaded |= set(self.model.load_weights(tensors))
-        self._streamed |= {name for name, _ in tensors}
         self._verify = update_info.verify
         if update_info.verify:  # scales are 1/16384 of their weights: cheap to keep until finish
             self._sent_scales |= {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")}

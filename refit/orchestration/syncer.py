@@ -87,6 +87,7 @@ from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource, accepts, has_method, missing_methods
 from refit.transport.collective import JOIN_MARGIN_S, Rendezvous, RendezvousHost
 from refit.transport.delta import BaseMismatchError, DeltaMode, version_digest
+from refit.transport.integrity import new_sync_key
 from refit.transport.ipc import IpcTransport
 from refit.verification.probe import ProbeRequest, probe_prompts
 
@@ -364,6 +365,9 @@ class Syncer:
         over `collective` (`GroupBroken`: every member must begin again).
         """
         timeout = self.config.timeout_s
+        # Each attempt's own secret for its bytes' tags: it reaches the trainer and the replicas inside the plan, over
+        # Ray (refit/transport/integrity.py); a tag of an earlier attempt or sync verifies in none after it.
+        plan = plan.for_sync(new_sync_key() if self.config.verify is not Verify.OFF else None)
         stage = time.perf_counter()
         roll.stage = "begin"
         first = first_claim(roll.members)  # one winner when two syncs start at once (`first_claim`)

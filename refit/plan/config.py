@@ -23,7 +23,7 @@ class Verify(StrEnum):
     """How much of a sync is verified (see `refit.verification`)."""
 
     OFF = "off"
-    CHECKSUMS = "checksums"  # in transit (CRC-32), complete (every tensor), in the engine (scales read back)
+    CHECKSUMS = "checksums"  # in transit (keyed integrity tags), complete (every tensor), in the engine (scales read back)
     PROBE = "probe"  # the same, plus the logprob probe against the trainer, before serving
 
 
@@ -79,8 +79,11 @@ class SyncConfig:
     vLLM maps itself; the engine's check that every weight was loaded still applies."""
 
     verify: Verify = Verify.CHECKSUMS
-    """`"checksums"` (default), `"probe"` (also the logprob probe; the trainer needs `reference_logprobs`),
-    or `"off"`."""
+    """`"checksums"` (default: every entry's bytes carry a keyed integrity tag, checked before they are loaded;
+    every planned tensor arrived; the engine's weight scales read back), `"probe"` (also the logprob probe; the
+    trainer needs `reference_logprobs`), or `"off"` (no tags: nothing authenticates the bytes in transit, and
+    every sync is a full one, since tags are what name a version for deltas). Names, dtypes, shapes and scale
+    values are checked against the plan whatever this says."""
 
     on_probe_breach: str = "fail"
     """What a breached probe threshold does: `"fail"` the sync (replicas refuse) or `"flag"` it in the report."""
@@ -94,7 +97,8 @@ class SyncConfig:
     """`"auto"`: send each replica whose last version is the trainer's last one (equal digests) only
     the FP8 codes, scales and bf16 elements that changed, and the others everything; `"off"`: always
     everything. Deltas need `quantize_on="trainer"` and the `ray` or `collective` transport; with
-    `"auto"` both ends keep the last version's wire bytes (about 1 byte per FP8 weight)."""
+    `"auto"` both ends keep the last version's wire bytes (about 1 byte per FP8 weight). `verify="off"` turns
+    deltas off too."""
 
     pause: Pause = Pause.WAIT
     """`"wait"`: requests in flight finish on the old weights before an update; `"abort"`: they end
@@ -145,8 +149,10 @@ class SyncConfig:
         Not for bf16 on the wire (`quantize_on="rollout"`): that base would
         be a second bf16 copy of the model on each side. Not over `ipc`,
         where trainer and rollout share one GPU and there is no wire to save.
+        Not with `verify="off"`: a version is named by its bytes' keyed tags,
+        which such a sync does not make.
         """
-        return (self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER
+        return (self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER and self.verify is not Verify.OFF
                 and self.transport in (Transport.RAY, Transport.COLLECTIVE))
 
     def __post_init__(self) -> None:

@@ -18,8 +18,8 @@ from refit.plan.transfer_plan import TransferPlan
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block
 from refit.transport.buckets import BucketWriter, WireBucket, WireTensor
-from refit.transport.checksums import crc32
 from refit.transport.delta import ReplicaBase
+from refit.transport.integrity import tag_matches
 
 __all__ = ["loadable_tensors", "produce_buckets"]
 
@@ -30,7 +30,8 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
     `tensor(name)` returns the trainer's current value of a parameter. Every
     tensor is checked against the plan (shape, dtype, NaN/Inf) before the
     first bucket is yielded: a refit either sends everything or nothing, so a
-    replica is never left half-updated by bad trainer state.
+    replica is never left half-updated by bad trainer state. Every entry is
+    tagged with the plan's `integrity_key` (untagged if it has none).
     """
     _preflight(plan, tensor)
     for index, bucket in enumerate(plan.buckets):
@@ -38,7 +39,8 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
         # scales straight into the buffer they travel in.
         blocks = [planned.block if plan.quantize_on is QuantizeOn.TRAINER else None for planned in bucket]
         writer = BucketWriter(index, [entry for planned, block in zip(bucket, blocks) for entry in
-                                      loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block)])
+                                      loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block)],
+                             key=plan.integrity_key)
         slot = 0
         for planned, block in zip(bucket, blocks):
             value = tensor(planned.source).detach()
@@ -64,28 +66,35 @@ def loadable_tensors(
 
     `parts`: the bucket from one trainer, or one part from each rank of a
     sharded trainer, whose row slices are put back together here. `verify`:
-    check every tensor's bytes against the CRC-32 its sender computed.
-    `base`: the replica's copy of what it serves, which rebuilds delta
-    entries (and keeps every whole one) before anything else sees them.
+    check every entry's bytes against its keyed tag (the plan's
+    `integrity_key`); an entry without one is refused. `base`: the replica's
+    copy of what it serves, which rebuilds delta entries (and keeps every
+    whole one) before anything else sees them.
+
+    Whatever `verify` says, a bucket is refused, naming the tensor, before
+    any byte of it reaches the base or the engine, when it holds a name
+    outside the plan's bucket, a dtype or shape other than the plan's, or
+    an FP8 weight scale that is not finite and positive.
     """
     parts = [parts] if isinstance(parts, WireBucket) else list(parts)
     index = {part.index for part in parts}
     if len(index) != 1:
         raise PlanMismatchError(f"parts of different buckets {sorted(index)} arrived as one; the ranks disagree on the plan")
     bucket = index.pop()
+    if not 0 <= bucket < len(plan.buckets):
+        raise PlanMismatchError(f"bucket {bucket} arrived; the plan has buckets 0..{len(plan.buckets) - 1}")
     planned = {t.target: t for t in plan.buckets[bucket]}
+    expected = _expected_entries(plan, bucket)
     rows = [row for part in parts for row in part.unpack_rows()]
     if verify:
-        _check_checksums(bucket, rows)
+        _check_tags(bucket, rows, plan.integrity_key)
+    _check_names_and_dtypes(bucket, rows, expected)
     if base is not None:
-        rows = base.rebuild(rows)
+        rows = base.rebuild(rows, key=plan.integrity_key if verify else None)
     elif deltas := [entry.name for entry, _ in rows if entry.changed is not None]:
         raise PlanMismatchError(f"bucket {bucket}: deltas arrived ({', '.join(deltas[:4])}), but this replica keeps no base for this sync")
     tensors = _assemble(rows)
-    wrong = [f"{name}: {tuple(value.shape)} arrived, the plan has {planned[name].shape}"
-             for name, value in tensors if name in planned and tuple(value.shape) != planned[name].shape]
-    if wrong:
-        raise InvalidTensorError("refusing a bucket whose tensors do not have the plan's shapes:\n  " + "\n  ".join(wrong))
+    _check_shapes_and_scales(bucket, tensors, expected)
     if plan.quantize_on is QuantizeOn.TRAINER:
         return tensors
     out: list[tuple[str, torch.Tensor]] = []
@@ -94,15 +103,61 @@ def loadable_tensors(
     return out
 
 
-def _check_checksums(bucket: int, rows: list[tuple[WireTensor, torch.Tensor]]) -> None:
-    """Whole entries' bytes against their sender's CRC-32 (a delta's is its rebuilt tensor's: checked when rebuilt)."""
-    altered = [entry.name for entry, tensor in rows
-               if entry.crc32 is not None and entry.changed is None and crc32(tensor) != entry.crc32]
+def _expected_entries(plan: TransferPlan, bucket: int) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """What bucket `bucket` may hold, by wire name: (dtype, whole shape, whether it is an FP8 weight scale)."""
+    expected = {}
+    for planned in plan.buckets[bucket]:
+        block = planned.block if plan.quantize_on is QuantizeOn.TRAINER else None
+        for name, dtype, shape in loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block):
+            expected[name] = (str(dtype).removeprefix("torch."), tuple(shape), name != planned.target)
+    return expected
+
+
+def _check_tags(bucket: int, rows: list[tuple[WireTensor, torch.Tensor]], key: bytes | None) -> None:
+    """Every entry carries a tag; whole entries' bytes match theirs (a delta's is its rebuilt tensor's: checked when
+    rebuilt). Nothing of the bucket is loaded otherwise."""
+    if key is None:
+        raise VerificationError(
+            f"bucket {bucket} arrived for a sync whose plan carries no integrity key; a Syncer hands every verified "
+            "sync's plan a key (TransferPlan.for_sync), so this plan did not come from one"
+        )
+    untagged = [entry.name for entry, _ in rows if entry.tag is None]
+    if untagged:
+        raise VerificationError(
+            f"bucket {bucket} arrived with entries that carry no integrity tag: {', '.join(untagged[:8])}; nothing of it "
+            "was loaded. A weight source tags its buckets by packing them with the plan's key "
+            "(refit.produce_buckets, or pack_bucket(..., key=plan.integrity_key))"
+        )
+    altered = [entry.name for entry, tensor in rows if entry.changed is None and not tag_matches(key, entry.identity, tensor, entry.tag)]
     if altered:
         raise VerificationError(
-            f"bucket {bucket} arrived altered (CRC-32 differs from the sender's) in: {', '.join(altered)}; "
+            f"bucket {bucket} arrived altered (its keyed integrity tag does not match) in: {', '.join(altered[:8])}; "
             "nothing of it was loaded"
         )
+
+
+def _check_names_and_dtypes(bucket: int, rows: list[tuple[WireTensor, torch.Tensor]],
+                            expected: dict[str, tuple[str, tuple[int, ...], bool]]) -> None:
+    problems = [f"{entry.name}: not in the plan's bucket {bucket}" for entry, _ in rows if entry.name not in expected]
+    problems += [f"{entry.name}: {entry.dtype} arrived, the plan has {expected[entry.name][0]}"
+                 for entry, _ in rows if entry.name in expected and entry.dtype != expected[entry.name][0]]
+    if problems:
+        raise InvalidTensorError("refusing a bucket that does not match the plan; nothing of it was loaded:\n  " + "\n  ".join(problems))
+
+
+def _check_shapes_and_scales(bucket: int, tensors: list[tuple[str, torch.Tensor]],
+                             expected: dict[str, tuple[str, tuple[int, ...], bool]]) -> None:
+    """Whole tensors have the plan's shapes; FP8 weight scales are finite and positive (a zero, negative or NaN
+    scale would dequantize every weight of its block to garbage, silently)."""
+    problems = [f"{name}: {tuple(value.shape)} arrived, the plan has {expected[name][1]}"
+                for name, value in tensors if tuple(value.shape) != expected[name][1]]
+    for name, value in tensors:
+        if expected[name][2] and tuple(value.shape) == expected[name][1]:
+            values = value.float()
+            if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+                problems.append(f"{name}: FP8 weight scale holds zero, negative or non-finite values (min {float(values.min()):.4g})")
+    if problems:
+        raise InvalidTensorError(f"refusing bucket {bucket}; nothing of it was loaded:\n  " + "\n  ".join(problems))
 
 
 def _assemble(rows: list[tuple[WireTensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,38 @@ class PlannedTensor:
 class TransferPlan:
     buckets: tuple[tuple[PlannedTensor, ...], ...]
     quantize_on: QuantizeOn
+    integrity_key: bytes | None = field(default=None, repr=False, compare=False)
+    """One sync's secret for the integrity tags of its bytes (refit/transport/integrity.py), or None for a
+    plan not yet handed to a sync, or a sync with `verify="off"`. Set by the Syncer per sync (`for_sync`),
+    so it reaches the trainer and the replicas with the plan, over Ray, never over the data plane."""
+
+    def for_sync(self, integrity_key: bytes | None) -> TransferPlan:
+        """This plan for one sync: the same buckets, that sync's integrity key."""
+        return replace(self, integrity_key=integrity_key)
+
+    def to_plain(self) -> dict[str, Any]:
+        """JSON-able data (vLLM's RPC and a server's HTTP carry no refit classes, and nothing is pickled)."""
+        return {
+            "quantize_on": str(self.quantize_on),
+            "buckets": [[[t.target, t.source, list(t.shape), t.dtype, None if t.block is None else list(t.block)]
+                         for t in bucket] for bucket in self.buckets],
+            "integrity_key": None if self.integrity_key is None else self.integrity_key.hex(),
+        }
+
+    @classmethod
+    def from_plain(cls, plain: Mapping[str, Any]) -> TransferPlan:
+        """The plan `to_plain` described; refuses data of any other shape, naming what is wrong."""
+        try:
+            buckets = tuple(
+                tuple(PlannedTensor(str(target), str(source), tuple(int(n) for n in shape), str(dtype),
+                                    None if block is None else (int(block[0]), int(block[1])))
+                      for target, source, shape, dtype, block in bucket)
+                for bucket in plain["buckets"]
+            )
+            key = plain["integrity_key"]
+            return cls(buckets, QuantizeOn(plain["quantize_on"]), None if key is None else bytes.fromhex(key))
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanMismatchError(f"not a transfer plan ({type(error).__name__}: {error}); the sender is not refit's") from None
 
     @property
     def tensors(self) -> list[PlannedTensor]:

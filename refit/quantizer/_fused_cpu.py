@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["all_finite", "apply_delta", "bf16_to_fp8_codes", "crc32", "encode_delta", "handles", "quantize"]
+__all__ = ["all_finite", "apply_delta", "bf16_to_fp8_codes", "encode_delta", "handles", "quantize"]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -67,14 +67,6 @@ def quantize(
         weight.data_ptr(), codes.data_ptr(), scale.data_ptr(), rows, cols, bh, bw, torch.get_num_threads()
     )
     return codes.view(torch.float8_e4m3fn), scale.view(torch.bfloat16)
-
-
-def crc32(data: torch.Tensor) -> int | None:
-    """zlib.crc32 of a contiguous CPU tensor's bytes, folded with PCLMULQDQ; None where this kernel does not apply."""
-    library = _library()
-    if library is None or not library.refit_crc32_folds() or data.device.type != "cpu" or not data.is_contiguous():
-        return None
-    return library.refit_crc32(data.data_ptr(), data.numel() * data.element_size(), 0)
 
 
 def encode_delta(
@@ -146,14 +138,10 @@ def _library() -> ctypes.CDLL | None:
     library.refit_bf16_to_fp8_e4m3.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     library.refit_bf16_all_finite.restype = ctypes.c_int
     library.refit_bf16_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    library.refit_crc32.restype = ctypes.c_uint32
-    library.refit_crc32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint32]
     library.refit_diff_encode.restype = ctypes.c_long
     library.refit_diff_encode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     library.refit_delta_apply.restype = ctypes.c_int
     library.refit_delta_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
-    library.refit_crc32_folds.restype = ctypes.c_int
-    library.refit_crc32_folds.argtypes = []
     return library

@@ -81,7 +81,7 @@ class RankSource:
                 for name, tensor in loadable_form(planned.target, value.detach(), block):
                     parts.append((name, tensor))
                     row_offsets[name] = start if name == planned.target else start // planned.block[0]
-            part = pack_bucket(index, parts, row_offsets=row_offsets)
+            part = pack_bucket(index, parts, row_offsets=row_offsets, key=plan.integrity_key)
             self.sent["bytes"] += part.nbytes
             yield part
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from refit.errors import InvalidTensorError
-from refit.transport.checksums import crc32
+from refit.transport.integrity import tag
 
 __all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "element_view", "pack_bucket"]
 
@@ -44,8 +44,13 @@ class WireTensor:
     offset: int
     nbytes: int
     row_offset: int = 0
-    crc32: int | None = None  # of the bytes, computed by the sender while packing
-    changed: int | None = None  # a delta of this many elements (refit.transport.delta), whose crc32 is the rebuilt tensor's
+    tag: str | None = None  # keyed integrity tag of the bytes (refit.transport.integrity), made by the sender while packing
+    changed: int | None = None  # a delta of this many elements (refit.transport.delta), whose tag is the rebuilt tensor's
+
+    @property
+    def identity(self) -> str:
+        """What a tag binds the bytes to: the entry they are, so bytes moved to another entry fail."""
+        return f"{self.name}|{self.dtype}|{list(self.shape)}|{self.row_offset}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +115,9 @@ class BucketWriter:
     """A bucket's buffer, laid out from its table before any of its tensors exists.
 
     Producers write each tensor straight into its place (`slot(i)`), e.g. the
-    quantizer its FP8 codes, then `seal(i)` checksums it while its bytes are
-    still in cache; `finish()` hands over the bucket. That writes every byte
+    quantizer its FP8 codes, then `seal(i)` tags it (with `key`, one sync's
+    secret; None: untagged) while its bytes are still in cache; `finish()`
+    hands over the bucket. That writes every byte
     once, where it travels from: the quantizer's own output tensors and a
     copy of them into the buffer cost a sync about as much as quantizing did.
     `entries`: `(name, dtype, shape)` in bucket order; `row_offsets` marks row
@@ -120,7 +126,7 @@ class BucketWriter:
 
     def __init__(
         self, index: int, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-        *, row_offsets: Mapping[str, int] | None = None,
+        *, row_offsets: Mapping[str, int] | None = None, key: bytes | None = None,
     ) -> None:
         row_offsets = row_offsets or {}
         table: list[WireTensor] = []
@@ -134,6 +140,8 @@ class BucketWriter:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.index = index
         self._table = table
+        self._key = key
+        self._sealed = [False] * len(table)
         self._buffer = np.empty(offset, dtype=np.uint8)
         self._flat = torch.from_numpy(self._buffer)
 
@@ -143,24 +151,29 @@ class BucketWriter:
         return self._flat[entry.offset : entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).view(entry.shape)
 
     def seal(self, i: int) -> None:
-        """Entry `i` is written: checksum its bytes."""
+        """Entry `i` is written: tag its bytes (if the bucket has a key)."""
         entry = self._table[i]
-        self._table[i] = dataclasses.replace(entry, crc32=crc32(self._flat[entry.offset : entry.offset + entry.nbytes]))
+        if self._key is not None:
+            data = self._flat[entry.offset : entry.offset + entry.nbytes]
+            self._table[i] = dataclasses.replace(entry, tag=tag(self._key, entry.identity, data))
+        self._sealed[i] = True
 
     def finish(self) -> WireBucket:
         """The bucket; every entry must have been written and sealed."""
-        unsealed = [t.name for t in self._table if t.crc32 is None]
+        unsealed = [t.name for t, sealed in zip(self._table, self._sealed) if not sealed]
         if unsealed:
             raise InvalidTensorError(f"bucket {self.index}: {', '.join(unsealed)} never written into it")
         return WireBucket(self.index, tuple(self._table), self._buffer)
 
 
 def pack_bucket(
-    index: int, tensors: Iterable[tuple[str, torch.Tensor]], *, row_offsets: Mapping[str, int] | None = None
+    index: int, tensors: Iterable[tuple[str, torch.Tensor]], *, row_offsets: Mapping[str, int] | None = None,
+    key: bytes | None = None,
 ) -> WireBucket:
-    """Copy `tensors` (CPU or GPU) into one contiguous host buffer; `row_offsets` marks row slices of a tensor."""
+    """Copy `tensors` (CPU or GPU) into one contiguous host buffer, tagged with `key` (the plan's `integrity_key`);
+    `row_offsets` marks row slices of a tensor."""
     items = list(tensors)
-    writer = BucketWriter(index, ((name, t.dtype, tuple(t.shape)) for name, t in items), row_offsets=row_offsets)
+    writer = BucketWriter(index, ((name, t.dtype, tuple(t.shape)) for name, t in items), row_offsets=row_offsets, key=key)
     for i, (_, tensor) in enumerate(items):
         writer.slot(i).copy_(tensor)
         writer.seal(i)

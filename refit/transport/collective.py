@@ -14,7 +14,17 @@ parts travel side by side and no rank receives another's bytes.
 
 The group is stateless: its own TCPStore rendezvous (hosted by the driver
 for the group's life) and a prefix of its own, never torch's default group,
-which the trainer's FSDP or vLLM's tensor parallelism may own. gloo on the
+which the trainer's FSDP or vLLM's tensor parallelism may own.
+
+Why the prefix is secret: a TCPStore has no authentication, and anyone who
+reaches its port could otherwise join the group, read who is in it, or write
+the `abandoned` key that makes every member give up. Every key of the group
+lives under a prefix derived from the group's secret (`Rendezvous.secret`,
+made by the driver and sent to members over Ray or a server's key-protected
+HTTP, never written into the store); a store has no call that lists keys, so
+a stranger without the secret finds none of them and can at worst keep the
+store or the group's sockets busy until the sync's deadline. The bytes
+themselves carry keyed integrity tags (refit/transport/integrity.py). gloo on the
 CPU, NCCL on CUDA, chosen in one place (`backend_for_this_machine`), with
 one code path. Every wait has the group's deadline; a member that never
 joins fails the others with its name, not a hang.
@@ -29,12 +39,14 @@ flight while bucket i loads.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import secrets
 import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,7 +76,8 @@ class Rendezvous:
 
     `members` names each member (its index is its member number), so an
     error can say who is missing: the first `senders` are the sending
-    trainer ranks, then each replica's workers.
+    trainer ranks, then each replica's workers. `secret`: what keys the
+    group's entries in the store (see the module docstring); never shown.
     """
 
     host: str
@@ -73,6 +86,7 @@ class Rendezvous:
     members: tuple[str, ...]
     timeout_s: float
     senders: int = 1
+    secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
 
     @property
     def world_size(self) -> int:
@@ -80,12 +94,16 @@ class Rendezvous:
 
     def to_plain(self) -> list:
         """Plain data for vLLM's RPC (msgpack carries no refit classes)."""
-        return [self.host, self.port, self.group_id, list(self.members), self.timeout_s, self.senders]
+        return [self.host, self.port, self.group_id, list(self.members), self.timeout_s, self.senders, self.secret]
 
     @classmethod
     def from_plain(cls, plain: list | tuple) -> Rendezvous:
-        host, port, group_id, members, timeout_s, senders = plain
-        return cls(host, port, group_id, tuple(members), timeout_s, senders)
+        try:
+            host, port, group_id, members, timeout_s, senders, secret = plain
+            return cls(str(host), int(port), str(group_id), tuple(str(m) for m in members), float(timeout_s), int(senders),
+                       str(secret))
+        except (TypeError, ValueError) as error:
+            raise TransportError(f"not a collective group's rendezvous ({error}); the sender is not refit's") from None
 
 
 class RendezvousHost:
@@ -290,8 +308,10 @@ def _this_host() -> str:
 
 
 def _group_store(store, rendezvous: Rendezvous):
-    """The group's own keys in a rendezvous store (a driver may host several groups over time)."""
-    return torch.distributed.PrefixStore(f"refit/{rendezvous.group_id}/", store)
+    """The group's own keys in a rendezvous store, under a prefix only holders of its secret can name (a driver may
+    host several groups over time)."""
+    keyed = hashlib.blake2b(rendezvous.group_id.encode(), key=rendezvous.secret.encode(), digest_size=16).hexdigest()
+    return torch.distributed.PrefixStore(f"refit/{keyed}/", store)
 
 
 def _reach(rendezvous: Rendezvous, deadline: float) -> None:

@@ -14,13 +14,15 @@ norms); `quantize_on="rollout"`, which sends every weight in bf16, turns
 deltas off rather than keep a second bf16 model. The replica's is a host copy of
 what it last loaded, which it patches in place.
 
-A version is named by its digest: the CRC-32 of every entry's bytes (the
-checksums a sender computes while packing anyway), combined over the model
-(`version_digest`). The Syncer sends a replica a delta only when its base's
-digest equals the sender's; the replica checks every rebuilt tensor's CRC-32
-against the sender's before loading it, so a base that differs in any
-entry (altered, or from another trainer) fails the bucket instead of
-serving a mix.
+A version is named by its digest: the keyed integrity tag of every entry's
+bytes (refit/transport/integrity.py, made by the sender while packing
+anyway), combined over the model (`version_digest`): content-addressed over
+the served bytes, and unforgeable without the sync's key. The Syncer sends a
+replica a delta only when its base's digest equals the sender's; the replica
+checks every rebuilt tensor against the sender's tag before loading it, so a
+base that differs in any entry (altered, or from another trainer) fails the
+bucket instead of serving a mix. A delta needs those tags: a sync with
+`verify="off"` (no key, no tags) sends everything.
 
 Encoding of one entry (`WireTensor.changed` = n, the number of changed
 elements): one int32 count of changed elements per chunk of 65536, then the
@@ -42,7 +44,7 @@ import torch
 from refit.errors import VerificationError
 from refit.quantizer import _fused_cpu
 from refit.transport.buckets import WireBucket, WireTensor, as_bytes, assemble_bucket, element_view
-from refit.transport.checksums import crc32
+from refit.transport.integrity import tag_matches
 
 __all__ = ["BaseMismatchError", "DeltaMode", "ReplicaBase", "SenderBase", "version_digest"]
 
@@ -64,14 +66,18 @@ class BaseMismatchError(VerificationError):
     """A rebuilt tensor's bytes differ from the sender's: this replica's base is not the one the delta was made against."""
 
 
-def version_digest(entries: Iterable[tuple[str, int, str, tuple[int, ...], int]]) -> str:
-    """The digest of a version: its entries `(name, row_offset, dtype, shape, crc32)`, in any order."""
-    text = "\n".join(f"{name}|{row}|{dtype}|{list(shape)}|{crc:08x}" for name, row, dtype, shape, crc in sorted(entries))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def version_digest(entries: Iterable[tuple[str, int, str, tuple[int, ...], str | None]]) -> str | None:
+    """The digest of a version: its entries `(name, row_offset, dtype, shape, tag)`, in any order; None if any entry
+    is untagged (nothing then names the bytes)."""
+    entries = sorted(entries)
+    if any(tag is None for *_, tag in entries):
+        return None
+    text = "\n".join(f"{name}|{row}|{dtype}|{list(shape)}|{tag}" for name, row, dtype, shape, tag in entries)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _describe(entry: WireTensor) -> tuple[str, int, str, tuple[int, ...], int]:
-    return (entry.name, entry.row_offset, entry.dtype, entry.shape, entry.crc32)
+def _describe(entry: WireTensor) -> tuple[str, int, str, tuple[int, ...], str | None]:
+    return (entry.name, entry.row_offset, entry.dtype, entry.shape, entry.tag)
 
 
 class SenderBase:
@@ -80,7 +86,7 @@ class SenderBase:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, int], Row] = {}  # views into the last buckets' buffers
 
-    def entries(self) -> list[tuple[str, int, str, tuple[int, ...], int]]:
+    def entries(self) -> list[tuple[str, int, str, tuple[int, ...], str | None]]:
         """What the base holds, for `version_digest` (the Syncer merges a sharded trainer's ranks)."""
         return sorted(_describe(entry) for entry, _ in self._entries.values())
 
@@ -136,37 +142,41 @@ class ReplicaBase:
     def begin(self) -> None:
         self._changed = False
 
-    def rebuild(self, rows: Sequence[Row]) -> list[Row]:
-        """Every row whole: a delta applied to the base (and checked), a whole one copied into it."""
+    def rebuild(self, rows: Sequence[Row], *, key: bytes | None) -> list[Row]:
+        """Every row whole: a delta applied to the base and checked against its tag under `key` (the sync's), a whole
+        one copied into it. Deltas without a key to check them are refused."""
         self._changed, self._digest = True, None
         out = []
         for entry, tensor in rows:
-            key = (entry.name, entry.row_offset)
+            slot = (entry.name, entry.row_offset)
             if entry.changed is None:
                 # On the host even when the bytes arrived in GPU memory (a collective receive): a base in
                 # device memory would cost every GPU a byte per parameter; the loaders copy host tensors in.
                 stored = as_bytes(tensor).to("cpu", copy=True)
             else:
-                base = self._entries.get(key)
+                base = self._entries.get(slot)
                 if base is None or (base[0].dtype, base[0].shape) != (entry.dtype, entry.shape):
                     raise BaseMismatchError(
                         f"{entry.name}: a delta arrived for a tensor this replica's base does not hold as "
                         f"{entry.dtype} {list(entry.shape)}; it needs a full sync"
                     )
+                if key is None or entry.tag is None:
+                    raise BaseMismatchError(f"{entry.name}: a delta arrived without a key and tag to check its rebuilt bytes")
                 stored = base[1]
                 _apply(stored, as_bytes(tensor).cpu(), entry)
-                if crc32(stored) != entry.crc32:
+                if not tag_matches(key, entry.identity, stored, entry.tag):
                     raise BaseMismatchError(
                         f"{entry.name}: rebuilt from this replica's base and the delta, its bytes differ from the "
-                        "sender's (CRC-32); the base was altered or is not the version the delta was made against. "
-                        "Nothing of this bucket was loaded; the base is dropped, so the next sync is a full one"
+                        "sender's (keyed tag); the base was altered or is not the version the delta was made against, "
+                        "or the delta was altered in transit. Nothing of this bucket was loaded; the base is dropped, "
+                        "so the next sync is a full one"
                     )
             whole = dataclasses.replace(entry, changed=None, nbytes=stored.numel())
-            self._entries[key] = (whole, stored)
+            self._entries[slot] = (whole, stored)
             out.append((whole, stored.view(element_view(entry.dtype)).view(entry.shape)))
         return out
 
-    def finish(self) -> str:
+    def finish(self) -> str | None:
         """The update is served: the base now holds its version."""
         self._digest = version_digest(_describe(entry) for entry, _ in self._entries.values())
         return self._digest

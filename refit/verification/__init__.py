@@ -4,8 +4,9 @@ A refit that goes wrong does not crash RL training; it silently trains on a
 policy that is not the one being trained. So every sync is checked, by
 default, at three points (`SyncConfig.verify`):
 
-- in transit: every tensor carries the CRC-32 its sender computed while
-  packing, and the replica checks it before loading (`refit.transport.checksums`);
+- in transit: every tensor carries a keyed integrity tag its sender made
+  while packing, with a secret of that sync's that never travels with the
+  bytes, and the replica checks it before loading (`refit.transport.integrity`);
 - complete: at finish the replica checks that it received every tensor of
   the plan in checkpoint form, each FP8 weight with its scale (`manifest`);
 - in the engine: after the reload is finalized, every FP8 weight scale the

@@ -18,6 +18,7 @@ from refit.engine.lifecycle import Phase
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore
 from refit.errors import LifecycleError, VerificationError
 from refit.plan import RolloutModelInfo, SyncConfig, checkpoint_tensors, describe_weights, make_plan, produce_buckets
+from refit.transport.integrity import new_sync_key
 from tests.support.fakes import FP8_BLOCK, tiny_decoder
 
 ENGINE_CALLS = {"hold_requests", "pause", "resume", "mark_version", "release_requests", "reset_prefix_cache", "generate"}
@@ -70,7 +71,7 @@ class RecordingEngine:
 def _setup(engine: RecordingEngine, **config):
     model = tiny_decoder()
     config = SyncConfig(bucket_bytes=100_000, timeout_s=5, **config)
-    plan = make_plan(describe_weights(model), RolloutModelInfo(FP8_BLOCK, False), config)
+    plan = make_plan(describe_weights(model), RolloutModelInfo(FP8_BLOCK, False), config).for_sync(new_sync_key())
     return ReplicaCore(engine), plan, config, list(produce_buckets(plan, checkpoint_tensors(model)))
 
 

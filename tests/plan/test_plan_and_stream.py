@@ -19,6 +19,7 @@ from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, describe_weight
 from refit.quantizer import quantize_fp8_block
 from refit.quantizer.fp8_block import loadable_form
 from refit.transport.buckets import pack_bucket
+from refit.transport.integrity import new_sync_key
 
 
 def rollout_model(tied: bool, quantized: bool) -> RolloutModelInfo:
@@ -74,7 +75,7 @@ def test_a_quantized_target_that_is_not_2d_is_refused_at_plan_time():
 @pytest.mark.parametrize("quantize_on", ["trainer", "rollout"])
 def test_buckets_carry_what_the_quantizer_makes(quantize_on):
     model = trainer_model(tied=False)
-    plan = make_plan(describe_weights(model), rollout_model(False, True), config(300_000, quantize_on))
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(300_000, quantize_on)).for_sync(new_sync_key())
     received = dict(t for b in produce_buckets(plan, lookup(model)) for t in loadable_tensors(plan, b))
     q, s = quantize_fp8_block(model.model.layers[1].mlp.gate_proj.weight.detach())
     assert torch.equal(received["model.layers.1.mlp.gate_proj.weight"].view(torch.uint8), q.view(torch.uint8))
@@ -170,14 +171,14 @@ def test_layers_after_names_exactly_the_layers_that_straddle_a_bucket_boundary()
 
 @pytest.mark.parametrize("quantize_on", ["trainer", "rollout"])
 def test_buckets_written_in_place_equal_the_quantizers_tensors_packed(quantize_on):
-    """produce_buckets quantizes straight into each bucket's buffer: the same bytes, table and checksums as
+    """produce_buckets quantizes straight into each bucket's buffer: the same bytes, table and integrity tags as
     quantizing first and packing a copy."""
     model = trainer_model(tied=False)
-    plan = make_plan(describe_weights(model), rollout_model(False, True), config(300_000, quantize_on))
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(300_000, quantize_on)).for_sync(new_sync_key())
     block_of = (lambda t: t.block) if quantize_on == "trainer" else (lambda t: None)
     for bucket in produce_buckets(plan, lookup(model)):
         tensors = [pair for t in plan.buckets[bucket.index] for pair in loadable_form(t.target, lookup(model)(t.source), block_of(t))]
-        packed = pack_bucket(bucket.index, tensors)
+        packed = pack_bucket(bucket.index, tensors, key=plan.integrity_key)
         assert bucket.tensors == packed.tensors
         for entry in bucket.tensors:  # the bytes between entries are padding
             span = slice(entry.offset, entry.offset + entry.nbytes)

@@ -10,20 +10,22 @@ from refit.plan import QuantizeOn, loadable_tensors
 from refit.plan.transfer_plan import PlannedTensor, TransferPlan
 from refit.quantizer.fp8_block import loadable_form
 from refit.transport.buckets import pack_bucket
+from refit.transport.integrity import new_sync_key
 
 NAME = "model.layers.0.mlp.down_proj.weight"
 WEIGHT = torch.randn(256, 384, dtype=torch.bfloat16)
+KEY = new_sync_key()
 
 
 def plan(quantize_on: QuantizeOn = QuantizeOn.TRAINER) -> TransferPlan:
-    return TransferPlan(((PlannedTensor(NAME, NAME, (256, 384), "bfloat16", (128, 128)),),), quantize_on)
+    return TransferPlan(((PlannedTensor(NAME, NAME, (256, 384), "bfloat16", (128, 128)),),), quantize_on, KEY)
 
 
 def rank_part(rows: tuple[int, int], *, index: int = 0, quantize: bool = True):
     start, stop = rows
     tensors = loadable_form(NAME, WEIGHT[start:stop], (128, 128) if quantize else None)
     offsets = {name: start if name == NAME else start // 128 for name, _ in tensors}
-    return pack_bucket(index, tensors, row_offsets=offsets)
+    return pack_bucket(index, tensors, row_offsets=offsets, key=KEY)
 
 
 @pytest.mark.parametrize("quantize_on", list(QuantizeOn))

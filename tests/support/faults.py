@@ -7,10 +7,11 @@ import time
 
 import pytest
 import ray
+import torch
 
 import refit
 
-__all__ = ["die_at", "die_when_joining", "kill_during_syncs", "kill_mid_stream"]
+__all__ = ["die_at", "die_when_joining", "kill_during_syncs", "kill_mid_stream", "tamper_next_stream"]
 
 
 def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: type[BaseException], match: str,
@@ -72,3 +73,50 @@ def die_when_joining(trainer) -> None:
         os._exit(1)
 
     trainer._transport.join = dying
+
+
+def tamper_next_stream(trainer, how: str, bucket: int = 0) -> None:
+    """Run in a `TrainerActor` (`run_in`): bucket `bucket` of its next stream is altered after it was packed and tagged.
+
+    `how`: "forged" flips a byte and tags it again with a key of the attacker's own (what an attacker on the data
+    plane can do: a CRC it would simply recompute); "stripped" flips a byte and drops the tag; the others stand for
+    a broken source that holds the sync's key: "zero_scale", "negative_scale", "nan_scale" write into an FP8 weight
+    scale, "wrong_dtype" relabels a scale's bf16 bytes float16, "unplanned" renames an entry; each is tagged again
+    with the sync's own key, so only the receiver's plan checks can refuse it. Later streams are honest.
+    """
+    import dataclasses
+
+    from refit.transport.buckets import WireBucket, element_view
+    from refit.transport.integrity import new_sync_key, tag
+
+    # The globals its `stream_buckets` reads: Ray ships an actor class by value, with globals of its own.
+    namespace = type(trainer).stream_buckets.__globals__
+    honest = namespace["produce_buckets"]
+
+    def altered(packed: WireBucket, key: bytes) -> WireBucket:
+        buffer = packed.buffer.copy()
+        flat = torch.from_numpy(buffer)
+        table = list(packed.tensors)
+        i = next((n for n, t in enumerate(table) if t.name.endswith("weight_scale")), 0) if how.endswith(("scale", "dtype")) else 0
+        entry = table[i]
+        data = flat[entry.offset : entry.offset + entry.nbytes]
+        if how in ("forged", "stripped"):
+            data[0] ^= 0xFF
+        elif how.endswith("scale"):
+            data.view(element_view(entry.dtype))[0] = {"zero_scale": 0.0, "negative_scale": -0.5, "nan_scale": float("nan")}[how]
+        elif how == "wrong_dtype":
+            entry = dataclasses.replace(entry, dtype="float16")
+        elif how == "unplanned":
+            entry = dataclasses.replace(entry, name="model.layers.0.self_attn.injected.weight")
+        else:
+            raise ValueError(how)
+        signing = {"forged": new_sync_key(), "stripped": None}.get(how, key)
+        table[i] = dataclasses.replace(entry, tag=None if signing is None else tag(signing, entry.identity, data))
+        return WireBucket(packed.index, tuple(table), buffer)
+
+    def tampering(plan, tensor):
+        namespace["produce_buckets"] = honest  # one stream only
+        for packed in honest(plan, tensor):
+            yield altered(packed, plan.integrity_key) if packed.index == bucket else packed
+
+    namespace["produce_buckets"] = tampering

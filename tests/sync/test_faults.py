@@ -167,7 +167,7 @@ class DroppingTrainer:
 
         for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
             kept = [(name, tensor) for name, tensor in bucket.unpack() if not name.startswith(self.drop)]
-            yield pack_bucket(bucket.index, kept)
+            yield pack_bucket(bucket.index, kept, key=plan.integrity_key)
 
 
 def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replicas, trainers, actors_factory):
@@ -398,7 +398,7 @@ class CorruptingTrainer:
         try:
             for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
                 extra = [("model.layers.0.self_attn.k_scale", torch.tensor([-1.0]))] if self.corrupt and bucket.index == 1 else []
-                yield pack_bucket(bucket.index, bucket.unpack() + extra)
+                yield pack_bucket(bucket.index, bucket.unpack() + extra, key=plan.integrity_key)
         finally:
             self.streams_closed += 1
 

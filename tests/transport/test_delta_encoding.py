@@ -9,10 +9,13 @@ from refit.quantizer import _fused_cpu
 from refit.transport import delta
 from refit.transport.buckets import pack_bucket
 from refit.transport.delta import BaseMismatchError, DeltaMode, ReplicaBase, SenderBase, version_digest
+from refit.transport.integrity import new_sync_key
+
+KEY = new_sync_key()  # one sync's; every test here stands for one sync's worth of keys
 
 
 def bucket(weight: torch.Tensor, scale: torch.Tensor, embedding: torch.Tensor, *, index: int = 0, rows: int = 0):
-    return pack_bucket(index, [("w", weight), ("w_scale", scale), ("emb", embedding)], row_offsets={"emb": rows})
+    return pack_bucket(index, [("w", weight), ("w_scale", scale), ("emb", embedding)], row_offsets={"emb": rows}, key=KEY)
 
 
 def tensors(seed: int = 0):
@@ -37,7 +40,7 @@ def changed(values: tuple, fraction: float, seed: int = 1) -> tuple:
 def sync(sender: SenderBase, replica: ReplicaBase, buckets: list, mode: DeltaMode) -> list:
     replica.begin()
     sent = list(sender.stream(buckets, mode))
-    rebuilt = [replica.rebuild(part.unpack_rows()) for part in sent]
+    rebuilt = [replica.rebuild(part.unpack_rows(), key=KEY) for part in sent]
     replica.finish()
     return sent, rebuilt
 
@@ -71,7 +74,7 @@ def test_an_entry_whose_delta_is_not_smaller_travels_whole_and_both_mode_yields_
     assert kinds["w"] is None and kinds["w_scale"] == 0 and kinds["emb"] == 0
     assert all(entry.changed is None for entry in whole.tensors)
     replica.begin()
-    replica.rebuild(delta_part.unpack_rows())
+    replica.rebuild(delta_part.unpack_rows(), key=KEY)
     assert replica.finish() == version_digest(sender.entries())
 
 
@@ -84,11 +87,11 @@ def test_a_base_that_differs_is_refused_by_name_and_dropped():
     (sent,) = sender.stream([bucket(*state)], DeltaMode.DELTA)
     replica.begin()
     with pytest.raises(BaseMismatchError, match="emb: rebuilt from this replica's base"):
-        replica.rebuild(sent.unpack_rows())
+        replica.rebuild(sent.unpack_rows(), key=KEY)
     replica.abort()
     assert replica.digest() is None and replica.nbytes() == 0
     with pytest.raises(BaseMismatchError, match="w: a delta arrived for a tensor this replica's base does not hold"):
-        ReplicaBase().rebuild(sent.unpack_rows())
+        ReplicaBase().rebuild(sent.unpack_rows(), key=KEY)
 
 
 def test_a_failed_update_that_changed_nothing_keeps_the_base():
