@@ -3,7 +3,9 @@
 A module of its own, below both ends of the worker RPC: the replica reads
 them from an engine it holds (`EngineFacts.of(llm.vllm_config)`), and a
 worker reads them for a replica that holds no engine (a `vllm serve` server,
-`RefitWorkerExtension.refit_engine_facts`).
+`RefitWorkerExtension.refit_engine_facts`), which answers them as JSON-able
+data (`to_plain` / `from_plain`): a server's HTTP carries no refit classes
+and nothing pickled.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from refit.errors import EngineError
+from refit.plan.expected_weights import ExpectedWeight
 from refit.plan.transfer_plan import RolloutModelInfo
 
 __all__ = ["EngineFacts"]
@@ -41,3 +45,40 @@ class EngineFacts:
                 if dummy else None
             ),
         )
+
+    def to_plain(self) -> dict[str, Any]:
+        """JSON-able data: what a worker of a server answers (`refit_engine_facts`)."""
+        info = self.model_info
+        return {
+            "model_info": {
+                "quantization_config": info.quantization_config,
+                "tie_word_embeddings": info.tie_word_embeddings,
+                "weights": None if info.weights is None else [[w.name, list(w.shape), w.fp8_block] for w in info.weights],
+                "vocab_size": info.vocab_size,
+            },
+            "vocab_size": self.vocab_size, "workers": self.workers, "fp8_kv_cache": self.fp8_kv_cache,
+            "initial_refusal": self.initial_refusal,
+        }
+
+    @classmethod
+    def from_plain(cls, plain: Any) -> EngineFacts:
+        """The facts `to_plain` described; refuses data of any other shape (`EngineError`), naming what is wrong."""
+        try:
+            info = plain["model_info"]
+            weights = info["weights"]
+            quantization = info["quantization_config"]
+            refusal = plain["initial_refusal"]
+            return cls(
+                model_info=RolloutModelInfo(
+                    None if quantization is None else dict(quantization),
+                    bool(info["tie_word_embeddings"]),
+                    None if weights is None else tuple(
+                        ExpectedWeight(str(name), tuple(int(n) for n in shape), bool(fp8)) for name, shape, fp8 in weights
+                    ),
+                    None if info["vocab_size"] is None else int(info["vocab_size"]),
+                ),
+                vocab_size=int(plain["vocab_size"]), workers=int(plain["workers"]),
+                fp8_kv_cache=bool(plain["fp8_kv_cache"]), initial_refusal=None if refusal is None else str(refusal),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise EngineError(f"not an engine's facts ({type(error).__name__}: {error}); the sender is not refit's") from None

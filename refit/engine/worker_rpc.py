@@ -10,14 +10,19 @@ of `vllm.LLM` or `AsyncLLM`). Each RPC is named in exactly these two places.
 Calls by method name are serialized with vLLM's own msgpack encoder (a
 pickled callable would need VLLM_ALLOW_INSECURE_SERIALIZATION=1), so every
 argument and return value is plain data (lists, dicts, floats), never a
-refit class; the plan travels pickled, from the same trusted sender.
+refit class; the plan too travels as plain data (`TransferPlan.to_plain`).
 
 A server (`vllm serve`) reaches its workers only through its dev route
 `/collective_rpc`, which passes string arguments and turns results into
-strings. There every call goes through one method, `refit_call`, that
-carries a pickled `(method, args)` and returns the pickled result or the
-pickled exception (`encode_call` / `decode_reply`), so the same RPCs and
-the same error types reach the replica as from an in-process engine.
+strings. There every call goes through one method, `refit_call`, whose
+argument is a JSON string `{"method": ..., "args": [...]}` and whose answer
+is a JSON string `{"ok": true, "result": ...}` or, for a worker's error,
+`{"ok": false, "type": "<class name>", "message": ...}` (`encode_call` /
+`decode_reply`). Only the methods in `SERVER_METHODS` can be called, and
+nothing is ever unpickled: what arrives over HTTP is data, not code (the
+server's key, `refit serve`'s gate, says who may send it). The replica
+raises a worker's error as refit's error class of that name
+(refit/errors.py), else as `EngineError` naming the type.
 
 Importing this module does not import vLLM: the worker end reaches refit's
 weight-transfer backend (which does) only when a worker calls it.
@@ -25,9 +30,8 @@ weight-transfer backend (which does) only when a worker calls it.
 
 from __future__ import annotations
 
-import base64
+import json
 import os
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -35,16 +39,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from refit import errors
+from refit.errors import ConfigError, EngineError, RefitError
 from refit.plan.config import Transport
+from refit.plan.transfer_plan import TransferPlan
 from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, ScaleRecord, ScaleSource, apply_kv_scale_policy
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
 
 if TYPE_CHECKING:
     from refit.engine.transfer_backend import RefitTransferBackend
-    from refit.plan.transfer_plan import TransferPlan
 
-__all__ = ["RefitWorkerExtension", "WorkerCalls", "decode_reply", "encode_call", "max_over_ranks"]
+__all__ = ["SERVER_METHODS", "RefitWorkerExtension", "WorkerCalls", "decode_reply", "encode_call", "max_over_ranks"]
 
 AmaxRows = list[tuple[str, str, float]]  # (attention module, scale name, amax)
 
@@ -60,7 +66,7 @@ class WorkerCalls:
         and whether they keep what arrives as their delta base."""
         self._call("start_weight_update")  # vLLM's own worker method, which calls the backend's
         if transport is not Transport.RAY:
-            self._call("refit_expect_plan", pickle.dumps(plan), str(transport), keep_base)
+            self._call("refit_expect_plan", plan.to_plain(), str(transport), keep_base)
 
     def base_digests(self) -> list[str | None]:
         """Each worker's delta base digest (set when an update that kept one was finished)."""
@@ -124,28 +130,33 @@ class RefitWorkerExtension:
         return backend_of(self)
 
     def refit_call(self, payload: str) -> str:
-        """Any method of this worker, called through a server's `/collective_rpc` (see the module docstring).
+        """One of `SERVER_METHODS` on this worker, called through a server's `/collective_rpc` (see the module docstring).
 
-        Never raises: the exception itself goes back, pickled, so the
-        replica raises it with its type and message rather than the server's
-        "Worker failed with error ..." string.
+        `payload` is JSON, never unpickled. Never raises: the error's type
+        name and message go back as JSON, so the replica raises refit's
+        error of that type rather than the server's "Worker failed with
+        error ..." string.
         """
         try:
-            method, args = pickle.loads(base64.b64decode(payload))
-            reply = (True, getattr(self, method)(*args))
+            method, args = _parse_call(payload)
+            result = getattr(self, method)(*args)
+            try:
+                return json.dumps({"ok": True, "result": result})
+            except (TypeError, ValueError):
+                raise EngineError(f"{method} returned {type(result).__name__}, which is not JSON") from None
         except Exception as error:  # noqa: BLE001 - every failure is the caller's to raise
-            reply = (False, _picklable(error))
-        return base64.b64encode(pickle.dumps(reply)).decode("ascii")
+            return json.dumps({"ok": False, "type": type(error).__name__, "message": str(error)})
 
-    def refit_engine_facts(self) -> Any:
-        """The `EngineFacts` of this worker's engine, for a replica that cannot read its `VllmConfig` (a server).
+    def refit_engine_facts(self) -> dict[str, Any]:
+        """The `EngineFacts` of this worker's engine as plain data (`EngineFacts.from_plain`), for a replica that
+        cannot read its `VllmConfig` (a server).
 
         Fails, naming the fix, when the engine was started without refit's weight-transfer backend.
         """
         from refit.engine.facts import EngineFacts
 
         self._refit()
-        return EngineFacts.of(self.vllm_config)
+        return EngineFacts.of(self.vllm_config).to_plain()
 
     def refit_boot_id(self) -> str:
         """Who this worker process is (host, pid, start time): a server that restarted answers with another one."""
@@ -165,9 +176,9 @@ class RefitWorkerExtension:
     def refit_leave_group(self) -> None:
         self._refit().leave_group()
 
-    def refit_expect_plan(self, plan: bytes, transport: str, keep_base: bool = False) -> None:
-        """The open update's plan, pickled by the replica (the same trusted sender as every RPC here)."""
-        self._refit().expect_plan(pickle.loads(plan), transport, keep_base=keep_base)
+    def refit_expect_plan(self, plan: dict[str, Any], transport: str, keep_base: bool = False) -> None:
+        """The open update's plan, as `TransferPlan.to_plain` data (refused, naming why, if it is not one)."""
+        self._refit().expect_plan(TransferPlan.from_plain(plan), transport, keep_base=keep_base)
 
     def refit_base_digest(self) -> str | None:
         return self._refit().base.digest()
@@ -199,23 +210,69 @@ class RefitWorkerExtension:
 _PROCESS_STARTED = time.time()  # when this module was first imported in this process
 
 
+SERVER_METHODS = frozenset({
+    # vLLM's own worker methods, which call refit's weight-transfer backend (WorkerCalls)
+    "start_weight_update", "update_weights", "finish_weight_update",
+    # refit's (RefitWorkerExtension), each one WorkerCalls or the server adapter calls
+    "refit_engine_facts", "refit_boot_id", "refit_expect_plan", "refit_base_digest", "refit_drop_base",
+    "refit_streamed", "refit_abandon_update", "refit_apply_kv_policy", "refit_start_amax", "refit_stop_amax",
+    "refit_join_group", "refit_leave_group", "refit_scale_records",
+})
+"""The worker methods `refit_call` runs for a server's `/collective_rpc`; any other name is refused."""
+
+
 def encode_call(method: str, *args: Any) -> str:
-    """The payload of `RefitWorkerExtension.refit_call` for `method(*args)` (a string, as `/collective_rpc` takes)."""
-    return base64.b64encode(pickle.dumps((method, args))).decode("ascii")
+    """The payload of `RefitWorkerExtension.refit_call` for `method(*args)`: a JSON string, as `/collective_rpc` takes."""
+    return json.dumps({"method": method, "args": list(args)})
 
 
-def decode_reply(reply: str) -> tuple[bool, Any]:
-    """`refit_call`'s answer: (True, the result) or (False, the exception the worker raised)."""
-    return pickle.loads(base64.b64decode(reply))
+def decode_reply(reply: Any) -> tuple[bool, Any]:
+    """`refit_call`'s answer: (True, the result) or (False, the worker's error as refit's exception).
 
-
-def _picklable(error: Exception) -> Exception:
-    """`error` if it survives pickling (refit's, the builtins'), else a RuntimeError carrying its type and message."""
+    Raises ValueError for anything that is not `refit_call`'s JSON (it is parsed, never executed).
+    """
+    if not isinstance(reply, str):
+        raise ValueError(f"a worker's answer is {type(reply).__name__}, not refit_call's JSON string")
     try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - any failure to round-trip means: send a plain copy
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        answer = json.loads(reply)
+    except ValueError as error:
+        raise ValueError(f"a worker's answer is not JSON ({error}): {reply[:80]!r}") from None
+    if isinstance(answer, dict) and answer.get("ok") is True and "result" in answer:
+        return True, answer["result"]
+    if (isinstance(answer, dict) and answer.get("ok") is False and isinstance(answer.get("type"), str)
+            and isinstance(answer.get("message"), str)):
+        return False, worker_error(answer["type"], answer["message"])
+    raise ValueError(f"a worker's answer is not refit_call's shape: {reply[:80]!r}")
+
+
+def worker_error(type_name: str, message: str) -> Exception:
+    """A worker's error of class `type_name`: refit's class of that name, else an `EngineError` naming the type."""
+    cls = getattr(errors, type_name, None)
+    if isinstance(cls, type) and issubclass(cls, RefitError):
+        try:
+            return cls(message)
+        except TypeError:  # a class whose constructor takes more than a message
+            pass
+    return EngineError(f"{type_name}: {message}")
+
+
+def _parse_call(payload: Any) -> tuple[str, list]:
+    """(method, args) of a `refit_call` payload; refuses a method outside `SERVER_METHODS`, and anything not JSON."""
+    try:
+        call = json.loads(payload) if isinstance(payload, str) else None
+    except ValueError:
+        call = None
+    if not (isinstance(call, dict) and isinstance(call.get("method"), str) and isinstance(call.get("args", []), list)):
+        raise ConfigError('refit_call takes a JSON string {"method": ..., "args": [...]}; nothing else is accepted')
+    method, args = call["method"], call.get("args", [])
+    if method not in SERVER_METHODS:
+        raise ConfigError(f"refit_call refuses method {method!r}: only refit's worker methods can be called "
+                          f"({', '.join(sorted(SERVER_METHODS))})")
+    if method == "update_weights" and not (len(args) == 1 and isinstance(args[0], dict) and "tensors" not in args[0]
+                                           and "contents" in args[0]):
+        raise ConfigError("update_weights through a server's /collective_rpc takes a bucket's `contents` only "
+                          "(its bytes arrive over the collective group); tensors never cross HTTP")
+    return method, args
 
 
 def max_over_ranks(per_rank: list[AmaxRows]) -> AmaxRows:
