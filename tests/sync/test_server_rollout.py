@@ -26,7 +26,7 @@ from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.actors import STARTUP_S, started
-from tests.support.server import RefitServer, ServerSignalledAfterBegin, free_port, http_json
+from tests.support.server import RefitServer, ServerSignalledAfterBegin, free_port
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
 COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
@@ -56,7 +56,7 @@ def synced(server, module_actors):
     reference = module_actors.rollout(model_dir(True, "fp8_block"), node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
     ray.get(reference.status.remote(), timeout=600)  # the reference engine starts while the server does
     server_start_s = server.wait_until_healthy(SERVER_START_WITHIN_S)
-    replica = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(server.url))
+    replica = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(server.url, server.api_key))
     before = ray.get(replica.status.remote(), timeout=120)
     start = time.perf_counter()
     with refit.Syncer(trainer, [reference, replica], COLLECTIVE) as syncer:
@@ -69,7 +69,7 @@ def completions(server: RefitServer, prompt, **extra) -> list[dict]:
     """Greedy continuations from the server's `/v1/completions`, as a user's client asks for them."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "logprobs": 0,
             "return_token_ids": True, **extra}
-    return sorted(http_json(server.url + "/v1/completions", body)["choices"], key=lambda c: c["index"])
+    return sorted(server.json("/v1/completions", body)["choices"], key=lambda c: c["index"])
 
 
 def test_before_its_first_sync_a_dummy_loaded_server_replica_refuses(synced):
@@ -107,7 +107,7 @@ def test_an_fsdp2_trainer_group_syncs_the_server_beside_the_rollout_actor(server
     _, reference, replica, _, _ = synced
     report = refit.sync(actors_factory.trainer_group(model_dir(True, "bf16")), [reference, replica], COLLECTIVE)
     assert [r.served_version for r in report.replicas] == [report.version] * 2
-    assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
+    assert server.json("/weight_info")["weight_version"] == str(report.version)
     expected = ray.get(reference.generate.remote(PROMPTS, NEW_TOKENS), timeout=120)
     assert [c["token_ids"] for c in completions(server, PROMPTS)] == expected.token_ids
     assert accuracy(PROMPTS, expected.token_ids) >= 0.9  # the checkpoint's trained model, not placeholders
@@ -117,14 +117,14 @@ def test_a_probed_sync_over_http_passes_and_the_servers_weight_version_is_the_sy
     trainer, _, replica, _, _ = synced
     report = refit.sync(trainer, replica, refit.SyncConfig(transport="collective", timeout_s=60, verify="probe"))
     assert "probe passed" in report.replicas[0].verification
-    assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
+    assert server.json("/weight_info")["weight_version"] == str(report.version)
     assert ray.get(replica.status.remote()).served_version == report.version
 
 
 def test_a_sync_that_aborts_requests_in_flight_pauses_the_server_with_vllms_abort_mode(server, synced):
     trainer, _, replica, _, _ = synced
     report = refit.sync(trainer, replica, refit.SyncConfig(transport="collective", timeout_s=60, pause="abort"))
-    assert http_json(server.url + "/weight_info")["weight_version"] == str(report.version)
+    assert server.json("/weight_info")["weight_version"] == str(report.version)
     assert accuracy(PROMPTS, [c["token_ids"] for c in completions(server, PROMPTS)]) >= 0.9  # resumed, serving
 
 
@@ -139,7 +139,7 @@ def test_a_transport_whose_bytes_would_cross_http_is_refused_naming_collective(s
 
 def test_an_unreachable_url_fails_the_replica_naming_the_url_and_what_to_do(ray_cluster):
     url = f"http://127.0.0.1:{free_port()}"
-    replica = actors.ServerRollout.remote(url, connect_timeout_s=5)
+    replica = actors.ServerRollout.remote(url, api_key="any key", connect_timeout_s=5)
     try:
         with pytest.raises(ray.exceptions.ActorDiedError, match=rf"{url} could not be reached.*refit serve"):
             ray.get(replica.status.remote(), timeout=STARTUP_S)  # the constructor's failure, however long its imports take
@@ -188,14 +188,14 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
     collective group: the replica's actor answers, but it is lost all the same, and the survivor serves the sync.
     """
     trainer, _, replica, _, _ = synced
-    restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port)
+    restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port, api_key=server.api_key)
     try:
         restarted.wait_until_healthy(SERVER_START_WITHIN_S)
         with pytest.raises(refit.ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
             refit.sync(trainer, replica, COLLECTIVE)
-        fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url))
+        fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url, restarted.api_key))
         report = refit.sync(trainer, fresh, COLLECTIVE)
-        assert http_json(restarted.url + "/weight_info")["weight_version"] == str(report.version)
+        assert restarted.json("/weight_info")["weight_version"] == str(report.version)
         assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
 
         other, _ = shared_replicas
@@ -203,7 +203,7 @@ def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_repli
         patient = refit.SyncConfig(transport="collective", timeout_s=300)
         for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, patient, "died")):
             failing = started(module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
-                restarted.url, restarted.process.pid, signum)))
+                restarted.url, restarted.api_key, restarted.process.pid, signum)))
             caplog.clear()
             try:
                 with refit.Syncer(trainer, [other, failing], config) as syncer:

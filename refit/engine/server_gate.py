@@ -1,0 +1,199 @@
+"""`RefitGate`: the ASGI middleware `refit serve` puts in front of every route of its `vllm serve` server.
+
+vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
+...) let whoever reaches them drive the server's workers, and vLLM's own
+`--api-key` guards only paths under `/v1`. The gate guards them all:
+
+- every request, on every route (`/health`, `/v1/...`, the dev routes,
+  the gate's own), must carry `Authorization: Bearer KEY`, compared in
+  constant time with the key in `REFIT_API_KEY` (set by `refit serve` in
+  its own process before vLLM starts). No key: 401; another key: 403; a
+  JSON body says which, and the request never reaches vLLM;
+- while refit holds requests (a sync in progress, `ServerAdapter.hold_requests`),
+  requests to generation routes (every route but the control routes in
+  `CONTROL_PATHS`) wait in the gate, and go on when refit releases them,
+  after the sync's KV-scale stage and probe. Refit's own stage and probe
+  carry the `PASS_HOLD_HEADER` header, which passes the hold;
+- a server started with `--load-format dummy` (`DUMMY_ENV`) answers
+  generation routes 503 until a sync has been released as verified: its
+  placeholder KV scales would make vLLM's engine die on the first request.
+  Requests sent during that first sync are held like any others.
+
+The gate answers its own routes, under `/refit/` (all key-protected):
+`POST /refit/hold`, `POST /refit/drain?timeout_s=T` (waits until the
+generation requests that passed the gate have ended), `POST
+/refit/release?synced=0|1`, `GET /refit/state`. Its state lives in the
+API server's process: `refit serve` runs one (`--api-server-count 1`).
+
+This module imports no vLLM (vLLM adds the class with `app.add_middleware`,
+from `--middleware refit.engine.server_gate.RefitGate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+__all__ = ["CONTROL_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "PASS_HOLD_HEADER", "RefitGate"]
+
+KEY_ENV = "REFIT_API_KEY"
+"""The environment variable holding the server's key (the gate's), and the replica's default key."""
+
+DUMMY_ENV = "REFIT_SERVE_DUMMY"
+"""Set to "1" by `refit serve` for a server started with `--load-format dummy`."""
+
+PASS_HOLD_HEADER = "x-refit-pass-hold"
+"""A request carrying this header (with the key) passes a hold: refit's post-refit stage and probe."""
+
+GATE_PREFIX = "/refit/"
+
+CONTROL_PATHS = frozenset({
+    "/collective_rpc", "/pause", "/resume", "/is_paused", "/update_weight_version", "/weight_info", "/health",
+    "/ping", "/reset_prefix_cache", "/reset_mm_cache", "/abort_requests", "/v1/models", "/version", "/load",
+    "/server_info", "/is_sleeping", "/metrics",
+})
+"""Routes that pass a hold (refit's control messages, health and information): every other route is a generation route."""
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class RefitGate:
+    """Pure ASGI middleware: the key on every route, and refit's hold on generation routes (see the module docstring)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        key = os.environ.get(KEY_ENV, "")
+        if not key:
+            raise RuntimeError(f"{KEY_ENV} is not set: refit's gate will not serve without a key (start the server "
+                               "with `refit serve`, which sets it)")
+        self.app = app
+        self._key_digest = hashlib.sha256(key.encode()).digest()
+        self._held = False
+        self._awaiting_first_sync = os.environ.get(DUMMY_ENV) == "1"
+        self._in_flight = 0  # generation requests that passed the gate and have not ended
+        self._waiting = 0  # generation requests waiting in the gate for a release
+        self._changed: asyncio.Condition | None = None  # made in the server's event loop, on first use
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):  # lifespan
+            await self.app(scope, receive, send)
+            return
+        refused = self._refusal(scope)
+        if refused is not None:
+            await _answer(scope, send, *refused)
+            return
+        path = _path(scope)
+        if path.startswith(GATE_PREFIX):
+            await _answer(scope, send, *await self._own_route(scope, path))
+            return
+        if _is_control(path) or _header(scope, PASS_HOLD_HEADER) is not None:
+            await self.app(scope, receive, send)
+            return
+        if self._held:
+            self._waiting += 1
+            try:
+                await self._wait_for(lambda: not self._held)
+            finally:
+                self._waiting -= 1
+        if self._awaiting_first_sync:
+            await _answer(scope, send, 503, {"error": (
+                "this server was started with --load-format dummy: its weights and KV-cache scales are placeholders "
+                "until refit's first sync has been verified; retry after it"
+            )})
+            return
+        self._in_flight += 1  # no await since the hold was checked: a hold set from here on drains this request
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._in_flight -= 1
+            await self._notify()
+
+    # -- the key ------------------------------------------------------------------------------
+    def _refusal(self, scope: Scope) -> tuple[int, dict, list] | None:
+        given = _header(scope, "authorization")
+        if given is None:
+            return 401, {"error": "missing API key: send 'Authorization: Bearer KEY' with the key refit serve "
+                                  "was started with"}, [(b"www-authenticate", b"Bearer")]
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+                hashlib.sha256(key.strip().encode()).digest(), self._key_digest):
+            return 403, {"error": "wrong API key: the key sent is not the one refit serve was started with"}, []
+        return None
+
+    # -- the hold -----------------------------------------------------------------------------
+    async def _own_route(self, scope: Scope, path: str) -> tuple[int, dict]:
+        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
+        verb = scope.get("method")
+        if path == "/refit/hold" and verb == "POST":
+            self._held = True
+        elif path == "/refit/release" and verb == "POST":
+            self._held = False
+            if query.get("synced") == "1":
+                self._awaiting_first_sync = False
+            await self._notify()
+        elif path == "/refit/drain" and verb == "POST":
+            try:
+                timeout_s = float(query.get("timeout_s", "60"))
+            except ValueError:
+                return 400, {"error": "timeout_s must be a number of seconds"}
+            try:
+                await asyncio.wait_for(self._wait_for(lambda: self._in_flight == 0), max(0.0, timeout_s))
+            except TimeoutError:
+                pass
+        elif path != "/refit/state" or verb != "GET":
+            return 404, {"error": f"no route {verb} {path}: refit's gate answers POST /refit/hold, /refit/release, "
+                                  "/refit/drain and GET /refit/state"}
+        return 200, self._state()
+
+    def _state(self) -> dict:
+        return {"refit_gate": True, "held": self._held, "in_flight": self._in_flight, "waiting": self._waiting,
+                "awaiting_first_sync": self._awaiting_first_sync}
+
+    async def _wait_for(self, predicate: Callable[[], bool]) -> None:
+        changed = self._condition()
+        async with changed:
+            await changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        changed = self._condition()
+        async with changed:
+            changed.notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+
+def _path(scope: Scope) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+
+
+def _is_control(path: str) -> bool:
+    return path.rstrip("/") in CONTROL_PATHS or path.startswith("/metrics/")
+
+
+def _header(scope: Scope, name: str) -> str | None:
+    wanted = name.encode()
+    for key, value in scope.get("headers", ()):
+        if key.lower() == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+async def _answer(scope: Scope, send: Send, status: int, body: dict, headers: list | None = None) -> None:
+    """A JSON answer from the gate itself (a websocket is closed instead: policy violation, or try again later)."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008 if status in (401, 403) else 1013, "reason": str(body.get("error", ""))[:120]})
+        return
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": payload})
