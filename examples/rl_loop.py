@@ -119,7 +119,7 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
         rl_lr: float = 3e-3, steps_per_batch: int = 4, bucket_bytes: int = 512 << 10, transport: str = "ray",
         watch: Mapping[str, tuple[object, refit.SyncConfig]] | None = None, log=print) -> list[Round]:
     """`watch`: name -> (replica, SyncConfig): replicas synced each round after the rollouts, evaluated only."""
-    # Every sync is verified (checksums, completeness, scales read back) and probed: each rollout's logprobs
+    # Every sync is verified (integrity tags, completeness, scales read back) and probed: each rollout's logprobs
     # on fixed prompts against the trainer's, before it serves; a breach is flagged in the report.
     # `transport`: "ray" (the object store) or "collective" (a broadcast group straight into vLLM's workers).
     config = refit.SyncConfig(bucket_bytes=bucket_bytes, verify="probe", on_probe_breach="flag", transport=transport)

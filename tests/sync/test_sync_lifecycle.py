@@ -14,6 +14,7 @@ import torch
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from refit.errors import InvalidTensorError, PlanMismatchError, ReplicaRefusingError
+from refit.transport.integrity import new_sync_key
 from tests.support.actors import prompt_logprobs, rss_bytes, run_in, set_parameter
 
 PROMPTS = make_prompts(4, PROMPT_LEN, seed=21)
@@ -97,7 +98,7 @@ def test_nan_in_a_weight_is_refused_and_the_served_model_is_untouched(trainer, r
 def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(actors_factory, rollout):
     trainer = actors_factory.trainer(model_dir(False, "bf16"), reinitialize=True, seed=9)
     syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
-    plan = syncer.plan()
+    plan = syncer.plan().for_sync(new_sync_key())  # a sync by hand makes its own key, as `Syncer` does for each
     first_bucket = next(iter(trainer.stream_buckets.options(num_returns="streaming").remote(plan)))
     version = ray.get(rollout.begin_update.remote(plan, "by-hand", refit.SyncConfig()))
     ray.get(rollout.load_bucket.remote("by-hand", version, [first_bucket]))

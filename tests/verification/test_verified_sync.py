@@ -1,4 +1,4 @@
-"""Verified syncs on real Ray and vLLM: checksums, completeness, engine read-back and the logprob probe.
+"""Verified syncs on real Ray and vLLM: integrity tags, completeness, engine read-back and the logprob probe.
 
 Each check must pass on a correct sync and fail, naming what is wrong, on a
 deliberately broken one; a failed check leaves the replica refusing to
@@ -20,6 +20,7 @@ from refit.engine import Phase
 from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.data_path import produce_buckets
 from refit.transport.buckets import WireBucket
+from refit.transport.integrity import new_sync_key
 from tests.support.actors import double_weight_scale, run_in
 
 FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
@@ -44,14 +45,14 @@ def test_a_correct_sync_passes_every_check_and_the_probe(actors_factory, arch, t
     replica = actors_factory.rollout(model_dir(tied, variant, arch=arch), **engine)
     report = refit.Syncer(trainer, replica, PROBE).sync()
     verification = report.replicas[0].verification
-    assert "checksums" in verification and "scales read back" in verification and "probe passed" in verification
+    assert "integrity tags" in verification and "scales read back" in verification and "probe passed" in verification
     assert not report.probe_breached
     print(f"{arch}-{variant}-{engine.get('kv_cache_dtype', 'auto')}: {verification}")
 
 
 @ray.remote
 class TamperingTrainer(TrainerActor.__ray_actor_class__):
-    """A trainer whose buckets go wrong in a chosen way, after the sender computed their checksums."""
+    """A trainer whose buckets go wrong in a chosen way, after the sender tagged them."""
 
     def set_fault(self, fault: str) -> None:
         self.fault = fault
@@ -101,7 +102,7 @@ def test_a_bucket_altered_in_transit_fails_naming_the_tensor(broken):
     trainer, replica = tampering(broken, "none")
     refit.sync(trainer, replica)  # serving a whole version: the failure below must not half-load it
     ray.get(trainer.set_fault.remote("alter"))
-    altered = rf"arrived altered \(CRC-32 differs from the sender's\) in: {LAYER0_GATE}; nothing of it was loaded"
+    altered = rf"arrived altered \(its keyed integrity tag does not match\) in: {LAYER0_GATE}; nothing of it was loaded"
     with pytest.raises(refit.VerificationError, match=altered):
         refit.sync(trainer, replica)
     status = ray.get(replica.status.remote())
@@ -119,7 +120,7 @@ def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(br
     """Driven step by step, as `Syncer` does, with the engine's scale doubled between the last bucket and finish."""
     trainer, replica = tampering(broken, "none")
     config = refit.SyncConfig()
-    plan = refit.Syncer(trainer, replica, config).plan()
+    plan = refit.Syncer(trainer, replica, config).plan().for_sync(new_sync_key())  # a key of its own, as a sync's
     version = ray.get(replica.begin_update.remote(plan, "manual", config))
     for ref in trainer.stream_buckets.options(num_returns="streaming").remote(plan):
         ray.get(replica.load_bucket.remote("manual", version, [ref]))
@@ -131,12 +132,12 @@ def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(br
     assert_refusing(replica)
 
 
-def test_the_probe_catches_what_checksums_cannot_and_fails_or_flags_as_configured(broken):
+def test_the_probe_catches_what_integrity_tags_cannot_and_fails_or_flags_as_configured(broken):
     """A trainer that sends layer 1's MLP under layer 0's names: every byte arrives as sent, yet the model is wrong."""
     trainer, flagged = tampering(broken, "swap")
     report = refit.Syncer(trainer, flagged, PROBE).sync()
     assert report.probe_breached and "probe BREACHED" in report.replicas[0].verification
-    assert "checksums" in report.replicas[0].verification  # the other checks passed: the bytes are what was sent
+    assert "integrity tags" in report.replicas[0].verification  # the other checks passed: the bytes are what was sent
     assert ray.get(flagged.status.remote()).phase is Phase.SERVING  # flagged, not failed
 
     failing = flagged
