@@ -63,6 +63,16 @@ def test_serve_refuses_an_option_refit_sets_before_starting_anything(capsys, mon
     assert "VLLM_SERVER_DEV_MODE" not in os.environ  # nothing was started, nothing was changed
 
 
+def test_serve_refuses_more_than_one_key_or_api_server_before_starting_anything(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    monkeypatch.delenv("REFIT_API_KEY", raising=False)
+    assert main(["serve", str(model_dir(True, "fp8_block")), "--api-key", "a", "b"]) == 1
+    assert "--api-key takes one key with refit serve (2 given)" in capsys.readouterr().err
+    assert main(["serve", str(model_dir(True, "fp8_block")), "--api-server-count", "2"]) == 1
+    assert "--api-server-count 2: refit serve runs one API server process" in capsys.readouterr().err
+    assert "VLLM_SERVER_DEV_MODE" not in os.environ and "REFIT_API_KEY" not in os.environ
+
+
 def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, shared_replicas, ray_cluster):
     """Run as a user would, from another process on the cluster's machine; a broken replica is listed, not fatal."""
     import subprocess
