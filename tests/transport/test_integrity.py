@@ -35,14 +35,16 @@ def test_a_tag_binds_the_bytes_to_their_entry_and_the_key():
     assert not tag_matches(KEY, "w|int32|[1000]|0", data, "crc:" + good[3:])  # an unknown algorithm
 
 
-def test_hmac_tags_verify_where_blake3_is_missing_and_a_blake3_tag_names_the_package(monkeypatch):
+def test_hmac_tags_verify_where_cryptography_is_missing_and_a_poly1305_tag_names_the_package(monkeypatch):
     data = torch.randn(300, 300)
-    blake3_tag = tag(KEY, "x", data)
-    monkeypatch.setattr(integrity, "_blake3", None)
+    poly1305_tag = tag(KEY, "x", data)
+    assert poly1305_tag.startswith("p1:")
+    monkeypatch.setattr(integrity, "Poly1305", None)
     hmac_tag = tag(KEY, "x", data)
     assert hmac_tag.startswith("hs:") and tag_matches(KEY, "x", data, hmac_tag)
-    with pytest.raises(ModuleNotFoundError, match="install the `blake3` package"):
-        tag_matches(KEY, "x", data, blake3_tag)
+    assert not tag_matches(KEY, "y", data, hmac_tag)
+    with pytest.raises(ModuleNotFoundError, match="install the `cryptography` package"):
+        tag_matches(KEY, "x", data, poly1305_tag)
 
 
 def test_a_tagged_bucket_loads_and_the_plan_never_shows_its_key():
