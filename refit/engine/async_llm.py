@@ -272,7 +272,7 @@ class AsyncLLMAdapter:
     def hold_requests(self) -> None:
         self._run(self._set_gate(False))
 
-    def release_requests(self) -> None:
+    def release_requests(self, refusal: str | None = None) -> None:
         self._run(self._set_gate(True))
 
     async def _set_gate(self, open_: bool) -> None:

@@ -114,7 +114,7 @@ class LLMAdapter:
     def mark_version(self, version: int) -> None:
         pass  # versions are the replica's own (`status()`); vLLM's outputs here carry none
 
-    def release_requests(self) -> None:
+    def release_requests(self, refusal: str | None = None) -> None:
         pass
 
     def generate(

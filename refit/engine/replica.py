@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from refit.engine.facts import EngineFacts
-from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus, UpdateLifecycle
+from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
 from refit.errors import InvalidTensorError, LifecycleError, PlanMismatchError, VerificationError
 from refit.plan.config import Pause, SyncConfig, Transport, Verify
@@ -96,8 +96,10 @@ class EngineAdapter(Protocol):
         """The update to `version` is complete and verified: an engine that labels its outputs with a weight
         version (a `vllm serve` server's `/update_weight_version`) takes it now, before requests are released."""
 
-    def release_requests(self) -> None:
-        """Held requests go on: served by the new version, or refused."""
+    def release_requests(self, refusal: str | None = None) -> None:
+        """Held requests go on: served by the new version, or by the old one, or refused with `refusal` (why the
+        replica refuses). An engine whose requests pass through the core is refused by the lifecycle itself; a server,
+        whose users reach it directly, must refuse them itself."""
 
 
 class ReplicaCore:
@@ -362,7 +364,7 @@ class ReplicaCore:
         except BaseException as error:
             reason, model_changed = f"{reason}; resuming the engine's scheduler failed: {error!r}", True
         status = self.lifecycle.failed(sync_id, reason, model_changed=model_changed)
-        self.engine.release_requests()  # held requests now run, or are refused
+        self.engine.release_requests(status.reason if status.phase is Phase.REFUSING else None)  # they run, or are refused
         self._record(sync_id, None, f"failed: {reason}")
         return status
 

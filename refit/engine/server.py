@@ -77,6 +77,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -318,9 +319,16 @@ class ServerAdapter:
         self._request("POST", "/update_weight_version", {"new_version": str(version)})
         self._marked = True
 
-    def release_requests(self) -> None:
-        """The gate lets held requests go on (a dummy-loaded server's only once an update was verified)."""
-        self._request("POST", f"/refit/release?synced={int(self._marked)}")
+    def release_requests(self, refusal: str | None = None) -> None:
+        """The gate lets held requests go on: to the new version once it is marked; with `refusal`, to a 503 that
+        says why, until a verified sync (a dummy-loaded server's, only once an update was verified)."""
+        if self._marked:
+            query = "synced=1"
+        elif refusal is not None:
+            query = "refusing=" + urllib.parse.quote(refusal[:2000])
+        else:
+            query = "synced=0"
+        self._request("POST", f"/refit/release?{query}")
         self._marked = False
 
     # -- the server's own state ---------------------------------------------------------

@@ -17,12 +17,18 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
 - a server started with `--load-format dummy` (`DUMMY_ENV`) answers
   generation routes 503 until a sync has been released as verified: its
   placeholder KV scales would make vLLM's engine die on the first request.
-  Requests sent during that first sync are held like any others.
+  Requests sent during that first sync are held like any others;
+- a replica that refuses after a failed sync (its model a mix of two
+  versions) releases the hold as refusing: generation routes then answer
+  503 with its reason, until a sync is released as verified. Whoever routes
+  users' traffic sees the server out of rotation without asking refit.
 
 The gate answers its own routes, under `/refit/` (all key-protected):
 `POST /refit/hold`, `POST /refit/drain?timeout_s=T` (waits until the
 generation requests that passed the gate have ended), `POST
-/refit/release?synced=0|1`, `GET /refit/state`. Its state lives in the
+/refit/release?synced=1` (a verified sync: serve) or `?refusing=REASON` (a
+failed one: refuse) or neither (nothing changed: as before the hold), `GET
+/refit/state`. Its state lives in the
 API server's process: `refit serve` runs one (`--api-server-count 1`).
 
 This module imports no vLLM (vLLM adds the class with `app.add_middleware`,
@@ -77,6 +83,7 @@ class RefitGate:
         self._key_digest = hashlib.sha256(key.encode()).digest()
         self._held = False
         self._awaiting_first_sync = os.environ.get(DUMMY_ENV) == "1"
+        self._refusing: str | None = None  # why the replica refuses, after a failed sync
         self._in_flight = 0  # generation requests that passed the gate and have not ended
         self._waiting = 0  # generation requests waiting in the gate for a release
         self._changed: asyncio.Condition | None = None  # made in the server's event loop, on first use
@@ -108,6 +115,11 @@ class RefitGate:
                 "until refit's first sync has been verified; retry after it"
             )})
             return
+        if self._refusing is not None:
+            await _answer(scope, send, 503, {"error": (
+                f"refit's replica of this server refuses to serve until its next verified sync: {self._refusing}"
+            )})
+            return
         self._in_flight += 1  # no await since the hold was checked: a hold set from here on drains this request
         try:
             await self.app(scope, receive, send)
@@ -136,7 +148,9 @@ class RefitGate:
         elif path == "/refit/release" and verb == "POST":
             self._held = False
             if query.get("synced") == "1":
-                self._awaiting_first_sync = False
+                self._awaiting_first_sync, self._refusing = False, None
+            elif "refusing" in query:
+                self._refusing = query["refusing"][:2000] or "a sync failed"
             await self._notify()
         elif path == "/refit/drain" and verb == "POST":
             try:
@@ -154,7 +168,7 @@ class RefitGate:
 
     def _state(self) -> dict:
         return {"refit_gate": True, "held": self._held, "in_flight": self._in_flight, "waiting": self._waiting,
-                "awaiting_first_sync": self._awaiting_first_sync}
+                "awaiting_first_sync": self._awaiting_first_sync, "refusing": self._refusing}
 
     async def _wait_for(self, predicate: Callable[[], bool]) -> None:
         changed = self._condition()

@@ -64,7 +64,7 @@ class RecordingEngine:
     def mark_version(self, version: int) -> None:
         self.calls.append("mark_version")
 
-    def release_requests(self) -> None:
+    def release_requests(self, refusal: str | None = None) -> None:
         self.calls.append("release_requests")
 
 

@@ -388,8 +388,32 @@ def test_a_dummy_loaded_servers_gate_answers_503_until_a_verified_sync_released_
         held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
         await asyncio.sleep(0.05)
         assert (await _ask(refit_gate, "/refit/state", verb="GET"))[1] == {
-            "refit_gate": True, "held": True, "in_flight": 0, "waiting": 1, "awaiting_first_sync": True}
+            "refit_gate": True, "held": True, "in_flight": 0, "waiting": 1, "awaiting_first_sync": True, "refusing": None}
         await _ask(refit_gate, "/refit/release?synced=1")
         assert (await held)[0] == 200 and app.reached == ["/v1/completions"]
+
+    asyncio.run(scenario())
+
+
+def test_the_gate_refuses_after_a_failed_sync_until_a_verified_one(gate):
+    """A replica left refusing (its model a mix of two versions) must keep users off the server, which they reach
+    directly: the release says so, and generation routes answer 503 with the reason until a verified sync."""
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
+        await _ask(refit_gate, "/refit/hold")
+        held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
+        await asyncio.sleep(0.05)
+        await _ask(refit_gate, "/refit/release?refusing=loading%20a%20bucket%20failed")
+        status, body = await held
+        assert status == 503 and body["error"].endswith("until its next verified sync: loading a bucket failed")
+        assert (await _ask(refit_gate, "/health", verb="GET"))[0] == 200  # control routes still answer
+        await _ask(refit_gate, "/refit/hold")
+        await _ask(refit_gate, "/refit/release?synced=0")  # a sync that failed before changing anything: still refusing
+        assert (await _ask(refit_gate, "/v1/completions"))[0] == 503
+        await _ask(refit_gate, "/refit/release?synced=1")
+        assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
+        assert app.reached == ["/v1/completions", "/health", "/v1/completions"]
 
     asyncio.run(scenario())

@@ -9,6 +9,7 @@ that must see it before its first sync come first; the last one syncs it while u
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import pickle
@@ -18,9 +19,12 @@ import urllib.request
 import pytest
 import ray
 
+import actors
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from tests.conftest import TEST_KV_CACHE_BYTES
+from tests.support.actors import run_in
+from tests.support.faults import tamper_next_stream
 from tests.support.server import RefitServer, ServerHoldingUsers
 
 PROMPTS = make_prompts(4, PROMPT_LEN, seed=45)
@@ -143,6 +147,30 @@ def test_requests_sent_during_a_dummy_servers_first_sync_wait_for_its_kv_stage(s
     assert accuracy(PROMPTS, tokens) >= 0.9  # the trainer's model, with valid KV scales
     assert server.json("/weight_info")["weight_version"] == str(report.version)
     assert server.json("/refit/state") == {"refit_gate": True, "held": False, "in_flight": 0, "waiting": 0,
-                                           "awaiting_first_sync": False}
+                                           "awaiting_first_sync": False, "refusing": None}
     again = server.json("/v1/completions", _completion(server, PROMPTS[0]))
     assert again["choices"][0]["token_ids"] == tokens[0] and server.process.poll() is None
+
+
+def test_a_server_a_failed_sync_left_refusing_answers_users_503_until_the_next_sync_heals_it(server, module_actors):
+    """Bytes altered mid-stream: the buckets before them were loaded, so the model is a mix and the replica refuses.
+    Users reach the server directly, so its gate must refuse them too (not only `status()`), until a verified sync."""
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    replica = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(server.url, server.api_key))
+    syncer = refit.Syncer(trainer, [replica], dataclasses.replace(COLLECTIVE, bucket_bytes=256 << 10, delta="off"))
+    try:
+        syncer.sync()
+        assert len(syncer.plan().buckets) > 2
+        run_in(trainer, tamper_next_stream, "forged", 1)
+        with pytest.raises(refit.VerificationError, match=r"bucket 1 arrived altered"):
+            syncer.sync()
+        assert ray.get(replica.status.remote(), timeout=120).phase is refit.Phase.REFUSING
+        status, body = _status(server, "POST", "/v1/completions", _completion(server, PROMPTS[0]), key=server.api_key)
+        assert status == 503 and "refuses to serve until its next verified sync: loading a bucket failed" in body, body
+        report = syncer.sync()
+        answer = server.json("/v1/completions", _completion(server, PROMPTS[0]))
+        assert accuracy(PROMPTS[:1], [answer["choices"][0]["token_ids"]]) == 1.0
+        assert server.json("/refit/state")["refusing"] is None
+        assert server.json("/weight_info")["weight_version"] == str(report.version)
+    finally:
+        syncer.close()
