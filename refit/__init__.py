@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from refit.errors import (
     ActorDiedError,
+    BaseMismatchError,
     ConfigError,
     EngineError,
     EngineGoneError,
@@ -119,6 +120,7 @@ _LAZY = {
 
 __all__ = [
     "ActorDiedError",
+    "BaseMismatchError",
     "ConfigError",
     "EngineError",
     "EngineGoneError",

@@ -5,21 +5,29 @@ expected, and what to do, so a failed refit can be fixed without reading
 refit's source. All of them derive from `RefitError`, so callers can catch
 one type; each also derives from the builtin a caller would expect
 (`ValueError` for bad input, `RuntimeError` for a failed step,
-`TimeoutError` for a missed deadline).
+`TimeoutError` for a missed deadline). The one exception here that is not a
+`RefitError`, `GroupBroken`, never leaves a sync: the Syncer catches it.
+
+This module imports nothing of refit, so any module may import it.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "ActorDiedError",
+    "BaseMismatchError",
     "ConfigError",
     "EngineError",
+    "EngineGoneError",
+    "EngineHungError",
+    "GroupBroken",
     "InvalidTensorError",
     "LifecycleError",
     "PlanMismatchError",
     "RefitError",
     "ReplicaRefusingError",
     "ServerError",
+    "ServerGoneError",
     "SyncTimeoutError",
     "TransportError",
     "UnsupportedSchemeError",
@@ -64,6 +72,10 @@ class VerificationError(RefitError, RuntimeError):
     transit, a tensor missing, a scale the engine holds differently, or a breached probe."""
 
 
+class BaseMismatchError(VerificationError):
+    """A rebuilt tensor's bytes differ from the sender's: this replica's base is not the one the delta was made against."""
+
+
 class ActorDiedError(EngineError):
     """A trainer rank or rollout replica died, failed to start, or cannot be reached; `who` names it."""
 
@@ -97,3 +109,16 @@ class EngineHungError(SyncTimeoutError):
 
 class TransportError(RefitError, RuntimeError):
     """A transport cannot carry a sync: an unreachable rendezvous, a group a member left, no CUDA for `ipc`."""
+
+
+class GroupBroken(Exception):
+    """Members lost mid-broadcast: the collective group is broken for every member, so the survivors begin again.
+
+    Internal to a sync (`Syncer.sync` catches it); never reaches a caller.
+    `lost` holds `refit.orchestration.fleet.Lost` items (name, how, error);
+    `refit.orchestration.fleet.broken_group` builds one from a sync's losses.
+    """
+
+    def __init__(self, lost: list[tuple[str, str, BaseException]]) -> None:
+        super().__init__(", ".join(f"{who} {how}" for who, how, _ in lost))
+        self.lost = lost

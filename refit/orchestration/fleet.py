@@ -16,10 +16,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from refit.errors import GroupBroken
 from refit.orchestration.calls import Outcome, loss, raise_first_error, submit_all, summary
 from refit.orchestration.report import DroppedReplica
 
-__all__ = ["GroupBroken", "Lost", "Roll", "losses", "replica_id", "replica_name"]
+__all__ = ["Lost", "Roll", "broken_group", "losses", "replica_id", "replica_name"]
 
 log = logging.getLogger("refit.orchestration")
 
@@ -40,21 +41,10 @@ def replica_id(name: str) -> int:
     return int(name.removeprefix("rollout "))
 
 
-class GroupBroken(Exception):
-    """Members lost mid-broadcast: the collective group is broken for every member, so the survivors begin again.
-
-    Internal to a sync (`Syncer.sync` catches it); never reaches a caller.
-    """
-
-    def __init__(self, lost: list[Lost]) -> None:
-        super().__init__(", ".join(f"{who} {how}" for who, how, _ in lost))
-        self.lost = lost
-
-    @classmethod
-    def among(cls, lost: list[Lost]) -> GroupBroken:
-        """The group broken by `lost`, keeping only the dead if any died: the others' missing answers are
-        then its echo (they wait on the group it broke), not losses of their own."""
-        return cls([item for item in lost if item[1] == "died"] or lost)
+def broken_group(lost: list[Lost]) -> GroupBroken:
+    """The group broken by `lost`, keeping only the dead if any died: the others' missing answers are
+    then its echo (they wait on the group it broke), not losses of their own."""
+    return GroupBroken([item for item in lost if item[1] == "died"] or lost)
 
 
 class Roll:

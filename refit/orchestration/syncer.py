@@ -64,7 +64,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.engine.lifecycle import FinishedUpdate
-from refit.errors import ActorDiedError, ConfigError, EngineError, LifecycleError, PlanMismatchError, VerificationError
+from refit.errors import (
+    ActorDiedError,
+    BaseMismatchError,
+    ConfigError,
+    EngineError,
+    GroupBroken,
+    LifecycleError,
+    PlanMismatchError,
+    VerificationError,
+)
 from refit.orchestration.calls import (
     BucketStream,
     Outcome,
@@ -78,7 +87,7 @@ from refit.orchestration.calls import (
     wait_all,
     wait_until_started,
 )
-from refit.orchestration.fleet import GroupBroken, Lost, Roll, losses, replica_id, replica_name
+from refit.orchestration.fleet import Lost, Roll, broken_group, losses, replica_id, replica_name
 from refit.orchestration.metrics import record_failure, record_sync
 from refit.orchestration.report import ReplicaReport, SyncReport
 from refit.plan.config import SyncConfig, Transport, Verify
@@ -86,7 +95,7 @@ from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource, accepts, has_method, missing_methods
 from refit.transport.collective import JOIN_MARGIN_S, Rendezvous, RendezvousHost
-from refit.transport.delta import BaseMismatchError, DeltaMode, version_digest
+from refit.transport.delta import DeltaMode, version_digest
 from refit.transport.integrity import new_sync_key
 from refit.transport.ipc import IpcTransport
 from refit.verification.probe import ProbeRequest, probe_prompts
@@ -416,7 +425,7 @@ class Syncer:
             outcomes = wait_all(pending, "load_bucket", timeout_s=timeout, until_a_death=one_group)
             lost = losses(outcomes)
             if lost and one_group:
-                raise GroupBroken.among(lost)
+                raise broken_group(lost)
             for who, spent in roll.settle(outcomes, sync_id).items():
                 seconds[who] += spent
             progress.update()
@@ -599,7 +608,7 @@ class Syncer:
         lost = losses(outcomes)
         if not lost:
             return raise_first_error(outcomes)
-        broken = GroupBroken.among(lost)  # after a death, the others' missing answers (a trainer's too) are its echo
+        broken = broken_group(lost)  # after a death, the others' missing answers (a trainer's too) are its echo
         if any(who in senders for who, _, _ in broken.lost):  # a trainer rank lost fails the sync, by name
             return raise_first_error(outcomes)
         raise broken

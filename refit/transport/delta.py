@@ -41,12 +41,12 @@ from enum import StrEnum
 
 import torch
 
-from refit.errors import VerificationError
+from refit.errors import BaseMismatchError
 from refit.quantizer import _fused_cpu
 from refit.transport.buckets import WireBucket, WireTensor, as_bytes, assemble_bucket, element_view
 from refit.transport.integrity import tag_matches
 
-__all__ = ["BaseMismatchError", "DeltaMode", "ReplicaBase", "SenderBase", "version_digest"]
+__all__ = ["DeltaMode", "ReplicaBase", "SenderBase", "version_digest"]
 
 _CHUNK_BITS = 16  # positions are chunk index (counted) + 16-bit offset in the chunk
 
@@ -60,10 +60,6 @@ class DeltaMode(StrEnum):
     FULL = "full"  # whole buckets; keep them as the base for the next sync
     DELTA = "delta"  # delta buckets against the base
     BOTH = "both"  # per bucket, the whole one then the delta one (replicas differ; over `ray` only)
-
-
-class BaseMismatchError(VerificationError):
-    """A rebuilt tensor's bytes differ from the sender's: this replica's base is not the one the delta was made against."""
 
 
 def version_digest(entries: Iterable[tuple[str, int, str, tuple[int, ...], str | None]]) -> str | None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refit.errors import BaseMismatchError
 from refit.quantizer import _fused_cpu
 from refit.transport import delta
 from refit.transport.buckets import pack_bucket
-from refit.transport.delta import BaseMismatchError, DeltaMode, ReplicaBase, SenderBase, version_digest
+from refit.transport.delta import DeltaMode, ReplicaBase, SenderBase, version_digest
 from refit.transport.integrity import new_sync_key
 
 KEY = new_sync_key()  # one sync's; every test here stands for one sync's worth of keys
