@@ -6,12 +6,17 @@ Pure source inspection: no Ray, no vLLM.
 from __future__ import annotations
 
 import ast
+import builtins
+import dataclasses
+import enum
 import inspect
+import typing
 from pathlib import Path
 
 import pytest
 
 import refit
+from refit import errors
 from refit.protocols import RolloutReplica, WeightSource
 
 ROOT = Path(refit.__file__).parent
@@ -31,7 +36,34 @@ def test_the_package_is_marked_typed():
 
 
 def test_the_config_enums_are_exported_together():
-    assert {refit.Verify.PROBE, refit.Transport.COLLECTIVE, refit.Pause.ABORT, refit.QuantizeOn.ROLLOUT}
+    """Every enum a `SyncConfig` setting takes is a public name of `refit`, so a caller never reaches into a submodule."""
+    hints = typing.get_type_hints(refit.SyncConfig)
+    enums = {hints[field.name] for field in dataclasses.fields(refit.SyncConfig)
+             if isinstance(hints[field.name], type) and issubclass(hints[field.name], enum.Enum)}
+    assert {cls.__name__ for cls in enums} >= {"Verify", "Transport", "Pause", "QuantizeOn", "Delta", "KvScalePolicy"}
+    for cls in enums:
+        assert cls.__name__ in refit.__all__ and getattr(refit, cls.__name__) is cls, cls.__name__
+
+
+def test_every_exception_lives_in_errors_and_every_public_one_is_exported():
+    """`refit.errors.__all__` lists every exception the package defines; `refit` exports each that a caller can catch
+    (a `RefitError`), and nothing beside them and the lazy names."""
+    def is_exception(base: ast.expr) -> bool:
+        name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+        builtin = getattr(builtins, name, None)
+        return name in errors.__all__ or (isinstance(builtin, type) and issubclass(builtin, BaseException))
+
+    elsewhere = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path in sorted(ROOT.rglob("*.py"))
+                 if path != ROOT / "errors.py" for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ClassDef) and any(map(is_exception, node.bases))]
+    assert not elsewhere, "exceptions outside refit/errors.py: " + ", ".join(elsewhere)
+    classes = {name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == errors.__name__}
+    assert set(errors.__all__) == classes
+    public = {name for name in classes if issubclass(getattr(errors, name), errors.RefitError)}
+    assert set(refit.__all__) == public | set(refit._LAZY)
+    for name in public:
+        assert getattr(refit, name) is getattr(errors, name), name
 
 
 def _methods(protocol: type) -> list[str]:
