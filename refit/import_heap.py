@@ -3,12 +3,12 @@
 Those imports make over a million objects (modules, classes, functions,
 dataclass and pydantic machinery) that live as long as the process. While
 they are being made, the cyclic collector runs its automatic passes, and
-each full pass walks every object made so far: a quarter of the imports'
-CPU on these machines (measured 2026-12-03, 2-core AVX-512: what a rollout
-process imports, 10.0 -> 7.6 CPU-s; a new `RolloutActor` ready after
-9.9 -> 8.3 CPU-s, a `TrainerActor` 4.9 -> 4.3, means of four). Every actor
-process refit starts pays for its imports once, and an RL job starts many
-(as does this repository's test suite, which runs on CPU time).
+each full pass walks every object made so far: about a quarter of the
+imports' CPU (on a 2-core AVX-512 CPU, what a rollout process imports takes
+~10 CPU-s with those passes and ~7.6 without). Every actor process refit
+starts pays for its imports once, and an RL job starts many (as does this
+repository's test suite, which runs on CPU time), so the passes are skipped
+while importing.
 """
 
 from __future__ import annotations

@@ -33,12 +33,13 @@ CPU default (1 GiB) would hold 1 GB of memory per engine, and two test sessions 
 CLUSTER_FIXTURES = {"ray_cluster", "actor_pool", "actors_factory", "module_actors", "shared_replicas", "moe_checkpoint_replica"}
 
 LONGEST_MODULES = ("tests/test_examples.py", "tests/sync/test_sharded_trainer.py", "tests/sync/test_faults.py")
-"""Modules of 7-12 worker-minutes each (2026-12-02, AVX2 2-core), started before every other module.
+"""The modules that take longest (several worker-minutes each on a 2-core CPU), started before every other module.
 
 A module never spans two workers, so the one the scheduler hands out last
-bounds the run: started last, the examples' 12 minutes ran alone while the
-other worker idled (40 min of tests, for 36 min of work per worker). Only
-the order depends on this list; a stale entry costs minutes, never a result."""
+bounds the run: started last, a long module runs alone while the other
+worker idles, and the run lasts that module's minutes longer than its work
+needs. Only the order depends on this list; a stale entry costs minutes,
+never a result."""
 
 
 @pytest.hookimpl(wrapper=True)
@@ -78,7 +79,7 @@ def pytest_configure_node(node) -> None:
 
     One cluster, not one per worker: each costs ~15 s to start, and its daemons
     (raylets, dashboard and runtime-env agents, log monitors, GCS) ~7% of a core
-    the whole run (measured 2026-12-02). The controller outlives every worker, so it owns the cluster.
+    the whole run. The controller outlives every worker, so it owns the cluster.
     """
     global _controller_address
     from fixtures.cluster import started_cluster

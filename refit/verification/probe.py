@@ -40,8 +40,8 @@ class ProbeThresholds:
     max: float
 
 
-# (FP8_BLOCK weights, FP8 KV cache) -> thresholds. Measured on the fixtures after correct syncs (2026-11-30,
-# mean / max |dlogprob|): bf16 0.016 / 0.073; FP8_BLOCK 0.076 / 0.29; FP8_BLOCK + FP8 KV cache: Qwen3 0.144 / 0.46,
+# (FP8_BLOCK weights, FP8 KV cache) -> thresholds. Correct syncs of the fixtures differ by (mean / max
+# |dlogprob|): bf16 0.016 / 0.073; FP8_BLOCK 0.076 / 0.29; FP8_BLOCK + FP8 KV cache: Qwen3 0.144 / 0.46,
 # Llama 0.143 / 0.49, Qwen3-MoE 0.155 / 1.38. A sync that sends layer 1's MLP as layer 0's (FP8 + FP8 KV):
 # 1.47 / 4.86. The thresholds are about 3x the worst correct sync (the max, one token's worst case, 2.5x).
 _THRESHOLDS = {

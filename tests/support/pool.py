@@ -1,10 +1,9 @@
 """Actor processes that outlive the test that used them.
 
-Starting a `RolloutActor` costs ~8 s of CPU on these machines and a
-`TrainerActor` ~4 s (2026-12-03, 2-core AVX-512), nearly all of it a new
-Ray worker (~1.3 s) importing vLLM, torch and transformers; vLLM's own
-engine start takes 1-2 s. A run of the suite started 137 of them
-(2026-12-02). So the test factory lends actors
+Starting a `RolloutActor` costs ~8 s of CPU on a 2-core CPU and a
+`TrainerActor` ~4 s, nearly all of it a new Ray worker (~1.3 s) importing
+vLLM, torch and transformers; vLLM's own engine start takes 1-2 s. The
+suite asks for well over a hundred actors, so the test factory lends actors
 from a pool: a pooled actor is an instance of the
 same class, whose `restart` runs that class's constructor again in the
 process that already imported everything. What a test then talks to is
