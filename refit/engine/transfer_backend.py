@@ -3,10 +3,12 @@
 vLLM 0.32 owns the update lifecycle in each worker: `start_weight_update`,
 any number of `update_weights` chunks, `finish_weight_update`, driven through
 `collective_rpc`. Its built-in backends (nccl, ipc, sharded_rdt) move bytes
-GPU to GPU; refit moves them through Ray's object store to the rollout
-actor, which hands each bucket to its workers as the update payload. So this
-backend only loads: it wraps vLLM's layerwise reload exactly as the nccl
-backend does, and adds what refit needs on top:
+GPU to GPU; refit's bytes come by one of three transports (below): in the
+update payload from Ray's object store, by a broadcast from the trainer, or
+as a CUDA IPC handle of the trainer's memory; for the last two this backend
+receives or opens the bytes itself. However they came, it loads them: it
+wraps vLLM's layerwise reload exactly as the nccl backend does, and adds
+what refit needs on top:
 
 - provenance: which scales each sync streamed, from the parameter names
   `load_weights` reports as loaded (not from what the trainer claims);
