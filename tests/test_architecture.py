@@ -3,7 +3,9 @@
 Why: `refit.orchestration` used to be both the driver and everyone's shared
 types, so the engine imported the driver to learn the plan, and the plan,
 the expected weights and the checkpoint format imported each other in a
-circle. Shared types now live in `refit.plan`, a leaf. Every import counts
+circle. Shared types now live in `refit.plan`, which imports only the
+building blocks below it (quantizer, provenance, transport), and those
+import none of the layers above them. Every import counts
 here, also those inside functions and under `TYPE_CHECKING`: a lazy import
 is still a dependency. Pure `ast`, no imports of refit itself.
 """
@@ -19,9 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "refit"
 
 # package -> packages it must never import (at any depth, in any form)
+_ABOVE_THE_BLOCKS = ("refit.plan", "refit.orchestration", "refit.engine", "refit.verification", "refit.sharding")
 FORBIDDEN = {
     "refit.plan": ("refit.orchestration", "refit.engine"),
     "refit.engine": ("refit.orchestration",),
+    "refit.quantizer": _ABOVE_THE_BLOCKS,
+    "refit.provenance": _ABOVE_THE_BLOCKS,
+    "refit.transport": _ABOVE_THE_BLOCKS,
 }
 
 

@@ -7,9 +7,15 @@
 - `transfer_plan`: what is sent in which form and bucket (made once, reused), checked against the rollout.
 - `data_path`: the plan carried out at both ends: the trainer's (`produce_buckets`) and the replica's (`loadable_tensors`).
 
-A leaf of the package graph: nothing here imports `refit.orchestration` (the
-driver) or `refit.engine` (vLLM), which tests/test_architecture.py checks,
-so a trainer image needs neither the driver nor vLLM to use it.
+Below the driver and the engine, above the building blocks: nothing here
+imports `refit.orchestration` (the driver) or `refit.engine` (vLLM), so a
+trainer image needs neither to use it. It does import the blocks a plan is
+made of and carried out with, none of which imports anything above them:
+`refit.quantizer` (the FP8 form each weight travels in), `refit.provenance`
+(the KV-scale policy a `SyncConfig` names, and the scale checks the data
+path makes), `refit.transport` (the wire buckets and delta base the data
+path writes and reads), besides `refit.errors` and `refit.tokens`.
+tests/test_architecture.py checks both directions.
 """
 
 from refit.plan.checkpoint_format import CheckpointView, checkpoint_tensors, describe_weights
