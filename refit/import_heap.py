@@ -43,8 +43,8 @@ def freeze_import_heap() -> None:
     """Move every object alive now (the imports of torch, transformers and vLLM) out of the garbage collector's reach.
 
     After the imports, each full collection would still walk all of them:
-    vLLM's start runs a full `gc.collect()` five times, 0.2 s apiece on these
-    CPUs, half the start of a small engine. vLLM freezes its heap itself once
+    vLLM's start runs a full `gc.collect()` five times, ~0.2 s apiece on a
+    2-core CPU, half the start of a small engine. vLLM freezes its heap itself once
     started (`freeze_gc_heap`); freezing before the start saves those walks.
     Objects frozen are never collected, so call it only where that is what is
     wanted: in a process a refit actor owns, after its imports and before the

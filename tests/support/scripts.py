@@ -14,9 +14,10 @@ def run_python(args: list[str], timeout: float = 1800, *, ray_address: str | Non
     """`python ARGS` from the repository root; its stdout, after asserting it exited 0 (showing its output if not).
 
     `ray_address`: set as RAY_ADDRESS, so a plain `ray.init()` joins that cluster.
-    `timeout` only guards against a hung script and asserts no speed: beside a
-    1-core busy loop the demo's three engines took 519 s to start and the whole
-    demo over 600 s (313 s on a quiet machine), so the guard is 30 minutes.
+    `timeout` only guards against a hung script and asserts no speed: on a
+    2-core CPU the demo takes about 5 minutes, and twice that with one core
+    busy elsewhere (its three engines' start alone can take most of it), so
+    the guard is 30 minutes.
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray_address} if ray_address else {})}
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
