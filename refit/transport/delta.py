@@ -56,7 +56,7 @@ Row = tuple[WireTensor, torch.Tensor]
 class DeltaMode(StrEnum):
     """What a sender streams in one sync (the Syncer decides, from the bases' digests)."""
 
-    OFF = "off"  # whole buckets, and keep no base (`SyncConfig(delta="off")`, or bf16 on the wire)
+    OFF = "off"  # whole buckets, base left as it is (`SyncConfig(delta="off")`, or bf16 on the wire)
     FULL = "full"  # whole buckets; keep them as the base for the next sync
     DELTA = "delta"  # delta buckets against the base
     BOTH = "both"  # per bucket, the whole one then the delta one (replicas differ; over `ray` only)
@@ -90,10 +90,16 @@ class SenderBase:
         return sum(entry.nbytes for entry, _ in self._entries.values())
 
     def stream(self, buckets: Iterable[WireBucket], mode: DeltaMode) -> Iterator[WireBucket]:
-        """`buckets` as `mode` sends them; every whole bucket becomes the base, even when only its delta is sent."""
+        """`buckets` as `mode` sends them; every whole bucket becomes the base, even when only its delta is sent.
+
+        OFF neither makes nor drops a base. A trainer may be synced by several
+        Syncers, and the base belongs to those that send deltas: one with
+        `delta="off"` (or bf16 on the wire) streaming in between must not
+        take it from them. Their replicas still hold the base's version, so
+        their next delta is made against it as before.
+        """
         mode = DeltaMode(mode)
         if mode is DeltaMode.OFF:
-            self._entries.clear()
             yield from buckets
             return
         if mode is DeltaMode.FULL:

@@ -47,7 +47,8 @@ class TransportSender:
 
     def encode(self, buckets: Iterable[WireBucket], delta: DeltaMode | str) -> Iterator[WireBucket]:
         """`delta` (the Syncer's choice): whole buckets, their deltas against the last stream's, or both;
-        every whole bucket becomes the new base. A trainer times this with its own producing."""
+        every whole bucket becomes the new base, except under "off", which leaves the base to the Syncers that
+        send deltas (`SenderBase.stream`). A trainer times this with its own producing."""
         return self._base.stream(buckets, DeltaMode(delta))
 
     def send(

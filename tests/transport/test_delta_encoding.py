@@ -115,12 +115,28 @@ def test_row_slices_of_a_sharded_sender_are_their_own_entries_and_the_digest_ign
     assert version_digest(entries) != version_digest(first.entries())
 
 
-def test_off_keeps_no_base():
-    sender = SenderBase()
-    list(sender.stream([bucket(*tensors())], DeltaMode.FULL))
-    assert sender.nbytes() > 0
-    list(sender.stream([bucket(*tensors())], DeltaMode.OFF))
-    assert sender.nbytes() == 0 and sender.entries() == []
+def test_off_keeps_no_base_and_leaves_another_syncers_base_alone():
+    """A Syncer with `delta="off"` streams whole buckets and makes no base; streaming between two syncs of a Syncer
+    that sends deltas, it leaves that Syncer's base as it was, so the next delta still rebuilds the sender's bytes."""
+    off_only = SenderBase()
+    assert list(off_only.stream([bucket(*tensors())], DeltaMode.OFF))
+    assert off_only.nbytes() == 0 and off_only.entries() == []
+
+    sender, replica = SenderBase(), ReplicaBase()
+    sync(sender, replica, [bucket(*tensors())], DeltaMode.FULL)
+    base, digest = sender.entries(), replica.digest()
+    assert sender.nbytes() > 0 and version_digest(base) == digest
+
+    (whole,) = list(sender.stream([bucket(*changed(tensors(), 0.5, seed=5))], DeltaMode.OFF))  # another Syncer's sync
+    assert whole.index == 0 and sender.entries() == base
+
+    new = changed(tensors(), 0.02)
+    (sent,), (rebuilt,) = sync(sender, replica, [bucket(*new)], DeltaMode.DELTA)
+    assert all(entry.changed is not None for entry in sent.tensors)  # a delta, made against the kept base
+    assert [entry.name for entry, _ in rebuilt] == ["w", "w_scale", "emb"]
+    for (_, got), want in zip(rebuilt, new):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert replica.digest() == version_digest(sender.entries())
 
 
 def test_the_c_kernel_and_torch_encode_the_same_delta_and_refuse_more_than_the_cap(monkeypatch):
