@@ -1,8 +1,11 @@
-"""The README's code and every example run as written, and do what they say.
+"""The README's code, every docs page's code and every example run as written, and do what they say.
 
-Each runs in its own Python process, as a user would start it. README
-blocks run with the fixture checkpoints in place of its placeholder paths;
-that substitution is the only change. Code that calls a plain `ray.init()`
+Each runs in its own Python process, as a user would start it. README and
+docs blocks run with the fixture checkpoints in place of their placeholder
+paths; that substitution is the only change. In docs/, ```python blocks
+run (a page's blocks in order as one script) and ```py blocks are excerpts
+of a file the tests run, named on their first line, each of their lines
+found in it. Code that calls a plain `ray.init()`
 joins this session's cluster through `RAY_ADDRESS`, as it would join a
 user's running cluster (a cluster start saved per example); examples that
 take a cluster address (the demo among them) get that cluster.
@@ -24,8 +27,37 @@ PLACEHOLDERS = {
 }
 
 
+def python_blocks(path, fence: str = "python") -> list[str]:
+    return re.findall(rf"```{fence}\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
 def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+    return python_blocks(REPO / "README.md")
+
+
+def runnable_script(blocks: list[str]) -> str:
+    code = "\n".join(blocks)
+    for placeholder, path in PLACEHOLDERS.items():
+        code = code.replace(placeholder, path)
+    return code
+
+
+DOCS = sorted((REPO / "docs").glob("*.md"))
+
+# What each docs page's code must print (regexes, multiline): a page with ```python blocks needs an entry.
+DOCS_PRINT = {
+    "configuration.md": [
+        r"^config: collective probe auto auto wait$",
+        r"^deadline 120 s, an orphaned update closes itself after 360 s$",
+        r"verify='strict': expected one of \['off', 'checksums', 'probe'\]",
+        r"bucket_bytes=0: expected a positive int",
+    ],
+    "delta.md": [  # the first sync sends everything, the later ones only what changed; the replica holds the trainer's version
+        r"^step 0: v\d+ full, received [\d.]+ MiB of [\d.]+ MiB, digest True$",
+        r"^step 1: v\d+ delta, received [\d.]+ MiB of [\d.]+ MiB, digest True$",
+        r"^step 2: v\d+ delta, received [\d.]+ MiB of [\d.]+ MiB, digest True$",
+    ],
+}
 
 
 def printed_tokens(out: str, label: str) -> list[list[int]]:
@@ -42,15 +74,46 @@ def test_readme_has_python_blocks_and_each_names_only_known_placeholders():
 @pytest.mark.engine
 def test_the_readme_runs_as_written(tmp_path, ray_cluster):
     """Its Python blocks, in order, as one script: a reader's session, each block going on from the one before."""
-    code = "\n".join(readme_python_blocks())
-    for placeholder, path in PLACEHOLDERS.items():
-        code = code.replace(placeholder, path)
     script = tmp_path / "readme.py"
-    script.write_text("num_steps = 2  # the README leaves the loop's length to the reader\n" + code)
+    script.write_text("num_steps = 2  # the README leaves the loop's length to the reader\n"
+                      + runnable_script(readme_python_blocks()))
     out = run_python([str(script)], ray_address=ray_cluster.address)
     assert "sync v1:" in out and "sync v2:" in out, out
     assert re.search(r"model\.layers\.1\.self_attn\.attn +k_scale +default +1 +1$", out, re.MULTILINE), out  # provenance
     assert "['rollout 1', 'rollout 2']" in out, out  # the fleet block: one replica joined, rollout 0 removed
+
+
+def test_docs_pages_with_code_say_what_it_must_print_and_name_only_known_placeholders():
+    with_code = {page.name for page in DOCS if python_blocks(page)}
+    assert with_code == set(DOCS_PRINT), "a docs page with ```python blocks needs its expected output in DOCS_PRINT"
+    for page in DOCS:
+        for block in python_blocks(page):
+            assert set(re.findall(r'"(path/to/[^"]+)"', block)) <= set(PLACEHOLDERS), page.name
+
+
+def test_docs_excerpts_are_found_line_by_line_in_the_file_they_name():
+    """A ```py block in docs/ quotes a file the tests run: its first line `# from PATH`, every other line
+    (but `...`) found in that file, so the excerpt cannot drift from code that runs."""
+    excerpts = [(page, block) for page in DOCS for block in python_blocks(page, "py")]
+    assert excerpts
+    for page, block in excerpts:
+        first, *lines = block.splitlines()
+        source = re.fullmatch(r"# from (\S+)", first)
+        assert source, f"{page.name}: a ```py excerpt starts with `# from PATH`, not {first!r}"
+        text = {line.strip() for line in (REPO / source[1]).read_text().splitlines()}
+        missing = [line for line in lines if line.strip() not in text and line.strip() not in ("", "...")]
+        assert not missing, f"{page.name}: not in {source[1]}: {missing}"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("page", sorted(DOCS_PRINT))
+def test_a_docs_page_runs_as_written(page, tmp_path, ray_cluster):
+    """A page's Python blocks, in order, as one script, as the README's are run; it prints what the page says."""
+    script = tmp_path / page.replace(".md", ".py")
+    script.write_text(runnable_script(python_blocks(REPO / "docs" / page)))
+    out = run_python([str(script)], ray_address=ray_cluster.address)
+    for expected in DOCS_PRINT[page]:
+        assert re.search(expected, out, re.MULTILINE), (expected, out)
 
 
 @pytest.mark.engine
