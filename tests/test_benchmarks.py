@@ -24,7 +24,7 @@ def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_c
     assert all(p["median"] > 0 for p in size["paths"].values())
     assert size["fp8_wire_bytes"] < size["bf16_bytes"]  # FP8 codes and scales: about half of bf16
     assert {"stream", "load"} <= set(size["paths"][DEFAULT]["stages"])
-    assert {"preflight", "quantize", "checksum"} <= set(size["stage_detail"]["trainer"])
+    assert {"preflight", "quantize", "integrity tag"} <= set(size["stage_detail"]["trainer"])
     assert {"fetch", "verify", "load"} <= set(size["stage_detail"]["rollout"])
     assert set(size["peak_extra_bytes"]) == {"trainer", "rollout"} and "peak extra private memory" in out
     assert (tmp_path / "bench.png").stat().st_size > 10_000
