@@ -1,6 +1,6 @@
 """Reading an engine's FP8 weight scales back after a refit and comparing them with what the sync sent.
 
-Why: checksums prove the bytes reached the replica; this proves they are
+Why: integrity tags prove the bytes reached the replica as sent; this proves they are
 what the engine holds once the reload is finalized. vLLM's loaders write
 each checkpoint scale into a slice of a fused parameter (q, k, v into
 `qkv_proj.weight_scale`; every expert's gate and up into
@@ -10,7 +10,7 @@ scales, concatenated by rows in the order the provenance tracker knows.
 Only where the engine keeps scales in checkpoint layout can they be
 compared: on the CPU (refit's reference kernels, vLLM's CPU kernels) and
 with tensor parallelism 1. Where a parameter's shape differs (a kernel's own
-layout, a tensor-parallel shard), it is skipped; transit checksums and the
+layout, a tensor-parallel shard), it is skipped; the transit tags and the
 logprob probe still cover it.
 """
 

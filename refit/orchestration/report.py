@@ -51,7 +51,7 @@ class SyncReport:
     startup_seconds: float = 0.0  # waiting for trainer ranks and replicas to be constructed (the Syncer's first call only)
     dropped: tuple[DroppedReplica, ...] = ()  # replicas lost during the sync; `replicas` are the ones that serve it
     attempts: int = 1  # more than one: the survivors began again (a replica lost mid-broadcast, or a delta base that failed)
-    digest: str | None = None  # of the version the trainer sent (per-tensor CRC-32s, combined), with delta syncs on
+    digest: str | None = None  # of the version the trainer sent (its entries' keyed integrity tags, combined), with delta syncs on
 
     def to_dict(self) -> dict:
         return asdict(self)

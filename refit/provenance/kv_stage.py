@@ -2,7 +2,7 @@
 
 Runs after each sync, between requests, never inside the engine's forward:
 data-dependent work in a compiled forward breaks torch.compile and CUDA
-graphs (vLLM PR 21640, ../shared/seeds/). Scales are written in place, into
+graphs (vLLM PR 21640, which removed vLLM's own runtime scale calculation). Scales are written in place, into
 the tensors the kernels already hold, so captured graphs see new values.
 
 Policies:

@@ -9,7 +9,7 @@ parameters (`w13_weight_scale` for gate and up, `w2_weight_scale` for
 down). Each expert gets its own record (module `<experts>.<e>`, in checkpoint
 names), sourced from
 that expert's own checkpoint tensors, so an expert a sync did not send is
-never reported as refitted. The upstream fix this replaces (see ../shared/seeds/)
+never reported as refitted. The upstream fix this replaces (verl PR 8483)
 inferred "uncalibrated" from a missing `kv_cache_scheme`, which also wiped
 calibrated scales loaded from a real checkpoint; nothing here is inferred
 from config fields.

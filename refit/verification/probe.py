@@ -1,7 +1,7 @@
 """The logprob probe: a replica scores fixed prompts after a refit, and the trainer's own logprobs are the reference.
 
-Checksums prove that the bytes arrived; the probe checks what the engine
-computes with them, which also covers what checksums cannot see: a kernel
+Integrity tags prove that the bytes arrived as sent; the probe checks what the
+engine computes with them, which also covers what tags cannot see: a kernel
 that reads the weights wrongly, KV-cache scales that do not fit the new
 weights, a layer the reload left stale.
 

@@ -1,4 +1,4 @@
-"""The seed bug (../shared/seeds/), reproduced and then prevented, on real engines.
+"""The seed bug (placeholder KV scales after a dummy load, never repaired by a refit), reproduced and then prevented, on real engines.
 
 An FP8_BLOCK rollout started with load_format="dummy" adopts the dummy value
 (-0.000942 here) as every attention q/k/v/prob scale, and a refit never
