@@ -108,6 +108,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._expected: frozenset[str] = frozenset()
         self._reload_open = False
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
+        self._transport: str | None = None  # which one: "collective" or "ipc"
         self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
         self.base = ReplicaBase()  # the delta base, when bytes come over the collective group (refit/transport/delta.py)
         self._keep_base = False
@@ -156,6 +157,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         for receiver in self._receivers:
             receiver.clear()
         self._plan = plan
+        self._transport = transport
         self._keep_base = keep_base
         if keep_base:
             self.base.begin()
@@ -188,7 +190,9 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         if self._plan is None:
             raise LifecycleError("a bucket's contents arrived, but this update was not told its plan (expect_plan)")
         parts = [BucketContents.from_plain(plain) for plain in update_info.contents]  # one per sending rank
-        if all(part.ipc_handle is not None for part in parts):
+        if any(part.ipc_handle is not None for part in parts):
+            if self._transport != "ipc":  # a handle is unpickled to open it: only where this update expects one
+                raise LifecycleError(f"a bucket arrived with CUDA IPC handles during a {self._transport} update; refused")
             bucket = [open_ipc_bucket(part, self.device) for part in parts]
         elif not self._receivers:
             raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")

@@ -272,6 +272,11 @@ def _parse_call(payload: Any) -> tuple[str, list]:
                                            and "contents" in args[0]):
         raise ConfigError("update_weights through a server's /collective_rpc takes a bucket's `contents` only "
                           "(its bytes arrive over the collective group); tensors never cross HTTP")
+    if method == "update_weights" and any(not isinstance(part, list) or len(part) != 4 or part[3] is not None
+                                          for part in args[0]["contents"] or [None]):
+        # A part's fourth field is a CUDA IPC handle, which a worker unpickles: never from the network.
+        raise ConfigError("update_weights through a server's /collective_rpc takes contents without IPC handles "
+                          "(the ipc transport is refused for a vllm serve replica)")
     return method, args
 
 

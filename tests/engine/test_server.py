@@ -125,6 +125,15 @@ def test_update_weights_over_http_takes_contents_never_tensors(payload):
     assert "takes a bucket's `contents` only" in str(error) and "tensors never cross HTTP" in str(error)
 
 
+def test_update_weights_over_http_refuses_contents_with_an_ipc_handle():
+    """A CUDA IPC handle is unpickled by the worker that opens it: over HTTP it would be code from the network."""
+    handle = base64.b64encode(pickle.dumps("anything")).decode("ascii")
+    payload = json.dumps({"method": "update_weights", "args": [
+        {"version": 1, "contents": [[0, [], 0, handle]], "next_bucket_bytes": [None], "verify": True}]})
+    ok, error = decode_reply(_Worker().refit_call(payload))
+    assert not ok and type(error) is ConfigError and "contents without IPC handles" in str(error)
+
+
 def test_a_pickled_payload_is_refused_and_never_unpickled(tmp_path):
     marker = tmp_path / "ran"
     payload = base64.b64encode(pickle.dumps(_Marker(str(marker)))).decode("ascii")
