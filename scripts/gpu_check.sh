@@ -5,7 +5,7 @@
 # there). Everything else runs on CPUs in `make test`.
 #
 # Sized for a lent GPU machine's short lease: each step has its own time limit
-# (under 8 minutes in all: 60 s of set-up, then 180 + 80 + 140 s), and the
+# (under 9 minutes in all: 60 s of set-up, then 60 + 180 + 80 + 140 s), and the
 # script ends with one table: what ran, whether it passed, and its seconds.
 # Usage: scripts/gpu_check.sh (from the repository root).
 # GPU_CHECK_PYTHON picks the interpreter (default: .venv's, else python3, for a
@@ -36,6 +36,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run it under its limit and keep a row 
   rows+=("$(printf '%-44s %-18s %6d' "$name" "$outcome" $((SECONDS - start)))")
 }
 
+step "integrity tags on GPU buffers" 60 "$py" -m pytest -q -rs tests/transport/test_integrity_cuda.py
 step "GPU transports (ipc, NCCL collective)" 180 "$py" -m pytest -q -rs tests/sync/test_gpu_transports.py
 step "collective group (NCCL where CUDA is)" 80 "$py" -m pytest -q -rs tests/transport/test_collective.py
 step "transport benchmark (ray vs collective)" 140 "$py" -m benchmarks.bench_transport --repeats 3
