@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need CUDA, for a machine with one (or more) NVIDIA GPUs: the
-# GPU transport tests (ipc on one device; collective over NCCL with two), the
+# integrity tags and the receiver's checks on buckets in GPU memory, the GPU
+# transport tests (ipc on one device; collective over NCCL with two), the
 # collective-group tests, and the transport benchmark (collective runs NCCL
 # there). Everything else runs on CPUs in `make test`.
 #
