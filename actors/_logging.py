@@ -11,8 +11,12 @@ from __future__ import annotations
 import logging
 import os
 
+from refit.engine.vllm_logs import quiet_benign_vllm_warnings
+
 
 def show_refit_logs() -> None:
+    # Before the engine starts: the warnings every healthy start and sync logs would otherwise reach the driver.
+    quiet_benign_vllm_warnings()
     # vLLM configures its logging only when an engine starts; what it logs while being imported
     # (on CPUs: "Triton is installed, but doesn't include CPU backend") would reach Python's
     # last-resort handler, unformatted and whatever VLLM_LOGGING_LEVEL says.

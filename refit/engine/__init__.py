@@ -16,6 +16,7 @@
 - `readback`: the engine's FP8 weight scales read back against what the sync sent.
 - `cpu_kernel`, `cpu_moe`: FP8_BLOCK reference linear kernel and MoE backend for CPUs without AMX (general plugins).
 - `compat`: the vLLM release all of the above was written against.
+- `vllm_logs`: the vLLM warnings every healthy start and sync logs, kept from the driver; imports no vLLM.
 
 Only `config` and `lifecycle` are imported here: the rest imports vLLM, which
 trainer and driver processes may not have.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from refit.engine.vllm_logs import quiet_benign_vllm_warnings
 from refit.errors import ConfigError
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION", "engine_kwargs"]
@@ -116,7 +117,12 @@ class EngineConfig:
         return DEFAULT_CPU_KV_CACHE_BYTES
 
     def llm_kwargs(self, *, on_gpu: bool) -> dict[str, Any]:
-        """Keywords for `vllm.LLM` (or `AsyncEngineArgs`): this config's, and `engine_kwargs`'."""
+        """Keywords for `vllm.LLM` (or `AsyncEngineArgs`): this config's, and `engine_kwargs`'.
+
+        Also quiets, in this process, the vLLM warnings an engine refit configures logs on every healthy start
+        and sync (refit/engine/vllm_logs.py names each), wherever the engine is started from.
+        """
+        quiet_benign_vllm_warnings()
         return {
             "model": str(self.model),
             "load_format": self.load_format,

@@ -7,6 +7,7 @@ them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -186,3 +187,28 @@ class UnreadableReplica:
 
     def scale_records(self) -> list:
         return []
+
+
+class KeptMessages(logging.Handler):
+    """A log handler that keeps each record's message."""
+
+    def __init__(self, level: int = logging.DEBUG) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def keep_vllm_warnings(rollout) -> None:
+    """In the rollout's process: keep every warning that reaches vLLM's root logger, where vLLM's handler prints it."""
+    rollout.kept_vllm_warnings = KeptMessages(logging.WARNING)
+    logging.getLogger("vllm").addHandler(rollout.kept_vllm_warnings)
+
+
+def kept_vllm_warnings(rollout, also: str) -> list[str]:
+    """The warnings kept, after logging `also` as the layerwise reload logs a layer that loaded nothing; keeps no more."""
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").warning("%s: Failed to load weights", also)
+    handler = rollout.__dict__.pop("kept_vllm_warnings")
+    logging.getLogger("vllm").removeHandler(handler)
+    return list(handler.messages)

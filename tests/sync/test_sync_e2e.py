@@ -12,7 +12,7 @@ import ray
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
-from tests.support.actors import greedy_gaps, prompt_logprobs, run_in, snapshot_weights
+from tests.support.actors import greedy_gaps, keep_vllm_warnings, kept_vllm_warnings, prompt_logprobs, run_in, snapshot_weights
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=11)
 TIE_NATS = 0.05
@@ -58,3 +58,18 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
 # FP8_BLOCK replicas on two nodes against a fresh engine on the same weights, over
 # both transports: tests/sync/test_collective_transport.py. Tensor parallelism 2, each worker a process of its
 # own, over both transports: tests/provenance/test_kv_scales_e2e.py.
+
+
+def test_a_sync_prints_none_of_vllms_benign_warnings(actors_factory, shared_replicas):
+    """Each layerwise reload used to log "RotaryEmbedding: Failed to load weights" (and a first generate the EOS id
+    notice) through Ray into the driver; refit's rollout actors drop those and let every other warning through."""
+    trainer = changed_trainer(actors_factory, True, steps=1)
+    rollout = shared_replicas[0]
+    run_in(rollout, keep_vllm_warnings)
+    for _ in range(2):
+        refit.sync(trainer, rollout)
+    ray.get(rollout.generate.remote(PROMPTS[:1], 2))
+    kept = run_in(rollout, kept_vllm_warnings, "QKVParallelLinear")
+    assert kept[-1] == "QKVParallelLinear: Failed to load weights", kept  # a real layer's failure still shows
+    assert not [m for m in kept if "RotaryEmbedding" in m or "EOS token id" in m or "Triton" in m
+                or "set_num_threads" in m], kept

@@ -1,0 +1,87 @@
+"""vLLM warnings that every healthy refit engine logs, kept out of the user's driver; every other warning goes through.
+
+Ray forwards an actor's stderr to the driver, so what vLLM logs inside a
+rollout actor reaches the user's terminal after each sync. A handful of
+vLLM's warnings are logged by every correct start or sync of an engine as
+refit runs it, and read like failures ("Failed to load weights"). Each is
+named below with why it is benign; each is matched on its logger and its
+exact message (and arguments, where they tell a benign case from a real
+one), so the same words about anything else still show, and so does
+performance advice (LD_PRELOAD, eager mode). Imports no vLLM:
+the filters attach to vLLM's loggers by name, before or after vLLM creates
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+__all__ = ["BENIGN_VLLM_WARNINGS", "BenignVllmWarnings", "quiet_benign_vllm_warnings"]
+
+Match = Callable[[logging.LogRecord], bool]
+
+
+def _message(text: str, args: tuple | None = None) -> Match:
+    """A record whose unformatted message is `text` (and, given `args`, whose arguments are those)."""
+    return lambda record: record.msg == text and (args is None or tuple(record.args or ()) == args)
+
+
+def _starts(prefix: str) -> Match:
+    return lambda record: isinstance(record.msg, str) and record.msg.startswith(prefix)
+
+
+# logger name -> what it logs that is benign in a refit engine.
+BENIGN_VLLM_WARNINGS: dict[str, tuple[Match, ...]] = {
+    # Every layerwise reload (each sync): the rotary embedding's only tensor is its cos/sin cache, a buffer that
+    # no checkpoint holds and that vLLM recomputes and puts back itself. Only "RotaryEmbedding" is matched: any
+    # other layer that loaded nothing in a reload is a real failure, and refit's completeness check refuses it.
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        _message("%s: Failed to load weights", ("RotaryEmbedding",)),
+    ),
+    # The first generate: refit starts engines with `skip_tokenizer_init=True` (token ids in and out, see
+    # refit/engine/config.py), so there is no tokenizer to take an EOS id from; requests stop at `max_tokens`.
+    "vllm.renderers.base": (
+        _message("Using None for EOS token id because tokenizer is not initialized"),
+    ),
+    # An engine on a CPU without triton-cpu (the Triton that torch ships has no CPU backend): vLLM's CPU kernels
+    # need no Triton, and without it vLLM picks its V1 model runner, which is the one refit's CPU plugins are
+    # written for. Logged on importing vLLM, on checking the engine's config, and on picking the runner.
+    "vllm.triton_utils.importing": (
+        _message("Triton is installed, but doesn't include CPU backend. Disabling Triton."),
+    ),
+    "vllm.platforms.cpu": (
+        _message("Triton is not installed. triton-cpu is expected on x86 CPUs."),
+    ),
+    "vllm.config.vllm": (
+        _message("Model Runner V2 requires Triton; using the V1 model runner instead."),
+    ),
+    # A CPU worker binds its threads to cores, then replaces `torch.set_num_threads` with a function that says
+    # it skipped the call: torch and the libraries a sync loads call it, and the threads stay bound as vLLM set
+    # them. A core whose NUMA node is no memory node (a container, a VM) falls back to the first memory node,
+    # which is correct; the two lines about that say so on every start on such a host.
+    "vllm.v1.worker.cpu_worker": (
+        _message("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."),
+        _message("Node %s is not in available memory nodes %s."),
+        _starts("CPU group key %s is not a valid memory node."),
+    ),
+}
+
+
+class BenignVllmWarnings(logging.Filter):
+    """Drops the records of one vLLM logger that match its entry of `BENIGN_VLLM_WARNINGS`; passes every other."""
+
+    def __init__(self, matches: tuple[Match, ...]) -> None:
+        super().__init__()
+        self.matches = matches
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(match(record) for match in self.matches)
+
+
+def quiet_benign_vllm_warnings() -> None:
+    """Attach the filters to vLLM's loggers (once per process; harmless to call again)."""
+    for name, matches in BENIGN_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, BenignVllmWarnings) for f in logger.filters):
+            logger.addFilter(BenignVllmWarnings(matches))
