@@ -287,7 +287,8 @@ class ServerAdapter:
     def hold_requests(self) -> None:
         """The gate holds users' requests to generation routes from now on, until `release_requests`."""
         self._marked = False
-        self._request("POST", "/refit/hold")
+        # The hold lapses into a refusal if this replica stops calling, as the core's own update lease does.
+        self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.0f}")
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
         """Requests that passed the gate before the hold end (`wait`: finish; `abort`: aborted), then vLLM's

@@ -18,6 +18,14 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   generation routes 503 until a sync has been released as verified: its
   placeholder KV scales would make vLLM's engine die on the first request.
   Requests sent during that first sync are held like any others;
+- a hold lives on calls: each request by which a replica drives its update
+  (`DRIVING_PATHS`, the gate's own POST routes, refit's own generation)
+  renews it for `lease_s` (`POST
+  /refit/hold?lease_s=T`; the replica asks three of its sync's deadlines,
+  as its own update lease). A replica that died while it held the server
+  (its update left open, the model perhaps half-loaded) renews nothing: the
+  hold then lapses into a refusal, so held users get a 503 that says why
+  instead of waiting for ever;
 - a replica that refuses after a failed sync (its model a mix of two
   versions) releases the hold as refusing: generation routes then answer
   503 with its reason, until a sync is released as verified. Whoever routes
@@ -42,11 +50,12 @@ import hashlib
 import json
 import os
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-__all__ = ["CONTROL_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "PASS_HOLD_HEADER", "RefitGate"]
+__all__ = ["CONTROL_PATHS", "DRIVING_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "PASS_HOLD_HEADER", "RefitGate"]
 
 KEY_ENV = "REFIT_API_KEY"
 """The environment variable holding the server's key (the gate's), and the replica's default key."""
@@ -66,6 +75,11 @@ CONTROL_PATHS = frozenset({
 })
 """Routes that pass a hold (refit's control messages, health and information): every other route is a generation route."""
 
+DRIVING_PATHS = frozenset({"/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache",
+                           "/abort_requests"})
+"""The control routes by which a replica drives an update: they renew a hold (and `POST /refit/...`, and refit's own
+generation). Health checks and reads do not, so a load balancer's probes cannot keep a dead replica's hold alive."""
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -82,6 +96,8 @@ class RefitGate:
         self.app = app
         self._key_digest = hashlib.sha256(key.encode()).digest()
         self._held = False
+        self._hold_lease_s = 0.0
+        self._hold_deadline = 0.0  # monotonic; renewed by every control request while held
         self._awaiting_first_sync = os.environ.get(DUMMY_ENV) == "1"
         self._refusing: str | None = None  # why the replica refuses, after a failed sync
         self._in_flight = 0  # generation requests that passed the gate and have not ended
@@ -101,12 +117,14 @@ class RefitGate:
             await _answer(scope, send, *await self._own_route(scope, path))
             return
         if _is_control(path) or _header(scope, PASS_HOLD_HEADER) is not None:
+            if path.rstrip("/") in DRIVING_PATHS or not _is_control(path):
+                self._renew_hold()
             await self.app(scope, receive, send)
             return
         if self._held:
             self._waiting += 1
             try:
-                await self._wait_for(lambda: not self._held)
+                await self._wait_out_the_hold()
             finally:
                 self._waiting -= 1
         if self._awaiting_first_sync:
@@ -143,8 +161,14 @@ class RefitGate:
     async def _own_route(self, scope: Scope, path: str) -> tuple[int, dict]:
         query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
         verb = scope.get("method")
+        if verb == "POST":
+            self._renew_hold()
         if path == "/refit/hold" and verb == "POST":
-            self._held = True
+            try:
+                self._hold_lease_s = float(query.get("lease_s", "360"))
+            except ValueError:
+                return 400, {"error": "lease_s must be a number of seconds"}
+            self._held, self._hold_deadline = True, time.monotonic() + self._hold_lease_s
         elif path == "/refit/release" and verb == "POST":
             self._held = False
             if query.get("synced") == "1":
@@ -169,6 +193,26 @@ class RefitGate:
     def _state(self) -> dict:
         return {"refit_gate": True, "held": self._held, "in_flight": self._in_flight, "waiting": self._waiting,
                 "awaiting_first_sync": self._awaiting_first_sync, "refusing": self._refusing}
+
+    def _renew_hold(self) -> None:
+        if self._held:
+            self._hold_deadline = time.monotonic() + self._hold_lease_s
+
+    async def _wait_out_the_hold(self) -> None:
+        """Until the hold is released, or lapses (its replica stopped calling): then the server refuses."""
+        while self._held:
+            left = self._hold_deadline - time.monotonic()
+            if left <= 0:
+                self._held = False
+                self._refusing = (f"refit's replica stopped driving the update it began (no call for "
+                                  f"{self._hold_lease_s:.0f} s): its driver or its actor is gone, and the update may be "
+                                  "half-loaded")
+                await self._notify()
+                return
+            try:
+                await asyncio.wait_for(self._wait_for(lambda: not self._held), min(left, 1.0))
+            except TimeoutError:
+                pass
 
     async def _wait_for(self, predicate: Callable[[], bool]) -> None:
         changed = self._condition()

@@ -426,3 +426,28 @@ def test_the_gate_refuses_after_a_failed_sync_until_a_verified_one(gate):
         assert app.reached == ["/v1/completions", "/health", "/v1/completions"]
 
     asyncio.run(scenario())
+
+
+def test_a_hold_whose_replica_stops_calling_lapses_into_a_refusal_and_health_checks_do_not_renew_it(gate):
+    """A replica that died mid-update leaves the server half-updated: its held users get a 503 saying so, within the
+    hold's lease, rather than waiting for ever; a load balancer's probes must not keep the hold alive."""
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        await _ask(refit_gate, "/refit/hold?lease_s=0.6")
+        held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
+        for _ in range(3):  # a driving call renews the hold: still held after more than one lease
+            await asyncio.sleep(0.3)
+            await _ask(refit_gate, "/collective_rpc")
+        assert not held.done()
+        for _ in range(4):  # health checks and reads do not
+            await asyncio.sleep(0.3)
+            await _ask(refit_gate, "/health", verb="GET")
+            await _ask(refit_gate, "/refit/state", verb="GET")
+        status, body = await asyncio.wait_for(held, 5)
+        assert status == 503 and "stopped driving the update it began (no call for 1 s)" in body["error"]
+        state = (await _ask(refit_gate, "/refit/state", verb="GET"))[1]
+        assert state["held"] is False and "stopped driving" in state["refusing"]
+        assert "/v1/completions" not in app.reached
+
+    asyncio.run(scenario())
