@@ -20,8 +20,9 @@ about 1000x too small: every K and V saturates at 448 x 0.000942 = 0.42
 it, not measured on one). The CPU attention path refuses a negative
 scale outright (`k_scale must be positive for FP8 path`), and refit's own
 check refuses to serve one, so this replica's engine (`SeedBugRollout`
-below) replaces each negative dummy placeholder by its magnitude before the
-post-refit stage: the same saturation, served. Its provenance still says
+below) replaces each negative dummy placeholder by its magnitude once it
+has started (through vLLM's `collective_rpc`), and every sync keeps them:
+the same saturation, served. Its provenance still says
 `dummy`: nothing informed those values.
 
 Each round prints the version, the sync's milliseconds by stage, the bytes
@@ -67,17 +68,16 @@ def _dummy_scale_magnitudes(worker) -> list[str]:
 
 
 class _SeedBugRollout(RolloutActor.__ray_actor_class__):
-    """A RolloutActor that serves its placeholder KV scales as a GPU kernel sees them (sync it with kv_scales="keep")."""
+    """A RolloutActor that serves its placeholder KV scales as a GPU kernel sees them (sync it with kv_scales="keep").
+
+    Once, when its engine has started: a sync streams no KV scales, so the
+    layerwise reload puts these attention tensors back as they were, and
+    `kv_scales="keep"` leaves them so.
+    """
 
     def __init__(self, config: refit.EngineConfig) -> None:
         super().__init__(config)
-        post_refit_stage = self.replica._apply_kv_scales  # the replica core's KV stage, run at every finish
-
-        def apply_kv_scales(policy, calibration_prompts, version):
-            self.engine.llm.collective_rpc(_dummy_scale_magnitudes)
-            return post_refit_stage(policy, calibration_prompts, version)
-
-        self.replica._apply_kv_scales = apply_kv_scales
+        self.engine.llm.collective_rpc(_dummy_scale_magnitudes)
 
 
 SeedBugRollout = ray.remote(concurrency_groups={"update": 1, "serve": 1, "observe": 1})(_SeedBugRollout)
