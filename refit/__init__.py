@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
         describe_weights,
         produce_buckets,
     )
-    from refit.protocols import RolloutReplica, ShardedWeightSource, WeightSource
+    from refit.protocols import FullRolloutReplica, FullWeightSource, RolloutReplica, ShardedWeightSource, WeightSource
     from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
     from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme, quantize_fp8_block
     from refit.transport.buckets import WireBucket
@@ -110,6 +110,8 @@ _LAZY = {
     "WeightSource": "refit.protocols",
     "RolloutReplica": "refit.protocols",
     "ShardedWeightSource": "refit.protocols",
+    "FullWeightSource": "refit.protocols",
+    "FullRolloutReplica": "refit.protocols",
     "KvScalePolicy": "refit.provenance",
     "ScaleSource": "refit.provenance",
     "ScaleRecord": "refit.provenance",

@@ -9,23 +9,90 @@ subclassing needed, as with vLLM's `VLLMWeightSyncClient`.
 actor with its own engine delegates them to `refit.llm_replica(llm)` or
 `refit.async_llm_replica(llm)` (`refit.ReplicaMethods` and
 `refit.AsyncReplicaMethods` do; examples/own_engine.py).
+
+Each side's methods are declared here once, each marked `@required` or
+`@optional` (refit checks for an optional one with `has_method` before it
+calls it) and, for a replica, with the Ray concurrency group a threaded
+actor runs it in. The protocols type checkers see (`WeightSource`,
+`RolloutReplica`) hold the required methods; `FullWeightSource` and
+`FullRolloutReplica` add the optional ones. `SOURCE_METHODS` and
+`REPLICA_METHODS` are the resulting tables, name -> `MethodSpec`: the
+delegating layers (`refit.ReplicaMethods`, `refit.AsyncReplicaMethods`,
+actors/_replica_shell.py) are built from `REPLICA_METHODS`, and
+tests/test_replica_contract.py checks every replica and source against them.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Final, Literal, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus
     from refit.plan.config import SyncConfig
     from refit.plan.tensors import TensorMeta
     from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
+    from refit.provenance import ScaleRecord
     from refit.transport.buckets import BucketContents, WireBucket
+    from refit.transport.collective import Rendezvous
     from refit.verification.probe import ProbeRequest
 
-__all__ = ["RolloutReplica", "ShardedWeightSource", "WeightSource", "accepts", "has_method", "missing_methods"]
+__all__ = [
+    "REPLICA_METHODS",
+    "SOURCE_METHODS",
+    "ConcurrencyGroup",
+    "FullRolloutReplica",
+    "FullWeightSource",
+    "MethodSpec",
+    "RolloutReplica",
+    "ShardedWeightSource",
+    "WeightSource",
+    "accepts",
+    "declared_methods",
+    "has_method",
+    "missing_methods",
+]
+
+ConcurrencyGroup = Literal["observe", "update", "serve"]
+"""Where a threaded replica actor runs a method: "observe" answers without waiting for an update or a request,
+"update" runs the update steps one at a time in submission order, "serve" waits out an update as a request would."""
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+@dataclass(frozen=True, slots=True)
+class MethodSpec:
+    """How refit calls one declared method of a protocol."""
+
+    optional: bool  # refit asks `has_method` first; without it the feature it serves is off
+    group: ConcurrencyGroup | None = None  # a replica's: the Ray concurrency group it runs in; None for a source's
+
+
+def required(group: ConcurrencyGroup | None = None) -> Callable[[_F], _F]:
+    """Mark a protocol method every implementation has (`Syncer` refuses one that lacks it)."""
+    return _marked(MethodSpec(optional=False, group=group))
+
+
+def optional(group: ConcurrencyGroup | None = None) -> Callable[[_F], _F]:
+    """Mark a protocol method an implementation may lack (refit checks with `has_method` before calling it)."""
+    return _marked(MethodSpec(optional=True, group=group))
+
+
+def _marked(spec: MethodSpec) -> Callable[[_F], _F]:
+    def mark(method: _F) -> _F:
+        method.__refit_method__ = spec  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
+def declared_methods(protocol: type) -> dict[str, MethodSpec]:
+    """The methods `protocol` and its bases declare (`@required` or `@optional`), in declaration order, bases first."""
+    return {name: spec for cls in reversed(protocol.__mro__) for name, value in vars(cls).items()
+            if (spec := getattr(value, "__refit_method__", None)) is not None}
 
 
 @runtime_checkable
@@ -36,6 +103,7 @@ class WeightSource(Protocol):
     `stream_buckets(plan)` once per sync. A source must not import vLLM.
     """
 
+    @required()
     def weight_metadata(self) -> list[TensorMeta]:
         """Every tensor's name, shape, dtype and module classes in checkpoint format, no data.
 
@@ -45,6 +113,7 @@ class WeightSource(Protocol):
         """
         ...
 
+    @required()
     def stream_buckets(self, plan: TransferPlan) -> Iterator[WireBucket | BucketContents]:
         """A generator of the plan's buckets in plan order (`refit.produce_buckets(plan, refit.checkpoint_tensors(model))`).
 
@@ -59,7 +128,7 @@ class WeightSource(Protocol):
         yields each bucket's contents while the bytes take the other road.
         `"collective"` also needs `join_transport(rendezvous, rank)`,
         `leave_transport()` and `transport_group()` (the sender's `join`,
-        `leave`, `group_id`); `actors.TrainerActor` has all of them.
+        `leave`, `group_id`; `FullWeightSource`); `actors.TrainerActor` has all of them.
 
         Delta syncs (optional): a source that has `base_entries()` (the
         sender's, `TransportSender.base_entries`) and whose `stream_buckets`
@@ -68,6 +137,40 @@ class WeightSource(Protocol):
         through `TransportSender.encode(buckets, delta)` first. Any other
         source gets full syncs.
         """
+        ...
+
+
+class FullWeightSource(WeightSource, Protocol):
+    """A `WeightSource` with the optional methods too, each for the feature that needs it (`actors.TrainerActor`)."""
+
+    @optional()
+    def base_entries(self) -> list[tuple]:
+        """What the last stream sent (`TransportSender.base_entries`), for delta syncs; without it every sync is full."""
+        ...
+
+    @optional()
+    def join_transport(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Join a sync's collective group as sending member `rank` (`TransportSender.join`); `transport="collective"` needs it."""
+        ...
+
+    @optional()
+    def leave_transport(self) -> None:
+        """Leave the collective group, if in one (`TransportSender.leave`)."""
+        ...
+
+    @optional()
+    def transport_group(self) -> str | None:
+        """The collective group this source is in, if any (`TransportSender.group_id`)."""
+        ...
+
+    @optional()
+    def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per prompt, the logprob of each token after the first: the reference `verify="probe"` compares with."""
+        ...
+
+    @optional()
+    def last_stream_seconds(self) -> float:
+        """Seconds the last stream spent checking, quantizing and packing (the sync report's trainer time)."""
         ...
 
 
@@ -93,23 +196,26 @@ class RolloutReplica(Protocol):
     `abort_update` from any point. Every exit leaves the replica either
     serving a whole, named version or refusing to serve with a reason.
 
-    Optional: `base_digest(transport)`, the digest of the version it serves
-    if it keeps that version's bytes to rebuild deltas (`refit.ReplicaCore`
-    does); a replica without it gets full syncs.
+    The optional methods (delta syncs, the collective transport, what
+    `refit inspect` shows) are `FullRolloutReplica`'s.
     """
 
+    @required("observe")
     def describe(self) -> RolloutModelInfo:
         """The rollout model's quantization config and embedding tying. Never blocks on an update."""
         ...
 
+    @required("observe")
     def status(self) -> ReplicaStatus:
         """Phase (serving, updating, refusing), served version, refusal reason. Never blocks."""
         ...
 
+    @required("observe")
     def node_id(self) -> str:
         """The Ray node the replica runs on."""
         ...
 
+    @required("update")
     def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
         """Pause serving (after in-flight requests), start a reload; returns the lowest version it accepts.
 
@@ -119,6 +225,7 @@ class RolloutReplica(Protocol):
         """
         ...
 
+    @required("update")
     def load_bucket(
         self, sync_id: str, version: int, bucket: WireBucket | list, next_bucket_bytes: list[int | None] | None = None
     ) -> float:
@@ -134,6 +241,7 @@ class RolloutReplica(Protocol):
         """
         ...
 
+    @required("update")
     def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
         """Check completeness, finalize, run the post-refit stage (and the probe, with `verify="probe"`), serve `version`.
 
@@ -141,15 +249,65 @@ class RolloutReplica(Protocol):
         """
         ...
 
+    @required("update")
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
         """Close `sync_id`'s update, if open; returns the status it leaves."""
         ...
 
 
+class FullRolloutReplica(RolloutReplica, Protocol):
+    """A `RolloutReplica` with the optional methods too (refit's own replicas: `refit.ReplicaCore` and the actors)."""
+
+    @optional("observe")
+    def base_digest(self, transport: str) -> str | None:
+        """The digest of the version this replica serves, if it holds that version's bytes as a delta base for
+        `transport` (a sync over it may then send only what changed); None, or no such method: the next sync is full."""
+        ...
+
+    @optional("observe")
+    def transport_ranks(self) -> int:
+        """How many ranks this replica takes in a collective group: one per vLLM worker."""
+        ...
+
+    @optional("observe")
+    def transport_group(self) -> str | None:
+        """The collective group this replica's workers are in, if any."""
+        ...
+
+    @optional("observe")
+    def last_update(self) -> dict | None:
+        """The last update's outcome as plain data: sync id, version, buckets, seconds, scales written, digest."""
+        ...
+
+    @optional("update")
+    def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
+        """Every worker joins a sync's collective group as members from `member_offset` on (leaving any earlier group).
+
+        During an update only the sync that owns it (`sync_id`) may move the workers to another group.
+        """
+        ...
+
+    @optional("update")
+    def leave_transport(self) -> None:
+        """Every worker leaves its collective group, if in one."""
+        ...
+
+    @optional("serve")
+    def scale_records(self) -> list[ScaleRecord]:
+        """Where every scale came from (also while refusing: that is when it matters most)."""
+        ...
+
+
+SOURCE_METHODS: Final[Mapping[str, MethodSpec]] = MappingProxyType(declared_methods(FullWeightSource))
+"""A weight source's methods, required and optional: the one list of them."""
+
+REPLICA_METHODS: Final[Mapping[str, MethodSpec]] = MappingProxyType(declared_methods(FullRolloutReplica))
+"""A rollout replica's methods, required and optional, each with its concurrency group: the one list of them."""
+
+
 def missing_methods(obj: object, protocol: type) -> list[str]:
-    """Methods of `protocol` that `obj` (a plain object or a Ray actor handle) lacks."""
-    names = [n for n in protocol.__dict__ if not n.startswith("_") and callable(getattr(protocol, n))]
-    return [n for n in names if not has_method(obj, n)]
+    """The required methods of `protocol` that `obj` (a plain object or a Ray actor handle) lacks."""
+    return [name for name, spec in declared_methods(protocol).items() if not spec.optional and not has_method(obj, name)]
 
 
 def accepts(obj: object, method: str, parameter: str) -> bool:

@@ -41,7 +41,7 @@ import torch
 
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
-from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation
+from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig, Transport
@@ -303,36 +303,16 @@ class AsyncLLMAdapter:
         self._run(self.llm.resume_generation())
 
 
+@delegate_to_replica(coroutines=True)
 class AsyncReplicaMethods(ReplicaObservation):
     """The methods `refit.Syncer` calls, handed to `self.replica` (an `AsyncReplica`), for an async rollout actor.
 
     Mix into an async actor that holds its own `AsyncLLM`: set
     `self.replica = refit.async_llm_replica(llm)` in its constructor and
-    serve requests with `await self.replica.serve(...)`.
+    serve requests with `await self.replica.serve(...)`. The observation
+    methods are `ReplicaObservation`'s (they never wait); the update steps
+    and `scale_records` are coroutines awaiting the replica's, made from
+    `refit.protocols.REPLICA_METHODS` (`refit.engine.replica.delegate_to_replica`).
     """
 
     replica: AsyncReplica
-
-    async def scale_records(self) -> list[ScaleRecord]:
-        """Where every scale came from (also while refusing)."""
-        return await self.replica.scale_records()
-
-    async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
-        await self.replica.join_transport(rendezvous, member_offset, sync_id)
-
-    async def leave_transport(self) -> None:
-        await self.replica.leave_transport()
-
-    async def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
-        return await self.replica.begin_update(plan, sync_id, config)
-
-    async def load_bucket(
-        self, sync_id: str, version: int, bucket: list[BucketContents], next_bucket_bytes: list[int | None] | None = None
-    ) -> float:
-        return await self.replica.load_bucket(sync_id, version, bucket, next_bucket_bytes)
-
-    async def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
-        return await self.replica.finish_update(sync_id, version, probe)
-
-    async def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
-        return await self.replica.abort_update(sync_id, reason)

@@ -26,13 +26,14 @@ the driver to clean up after it, since that driver may be gone.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
@@ -41,6 +42,7 @@ from refit.errors import InvalidTensorError, LifecycleError, PlanMismatchError, 
 from refit.plan.config import Pause, SyncConfig, Transport, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
+from refit.protocols import REPLICA_METHODS, ConcurrencyGroup, FullRolloutReplica
 from refit.provenance import KvScalePolicy, ScaleRecord
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket
@@ -50,11 +52,15 @@ from refit.transport.object_store import fetch_parts
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, thresholds_for
 
-__all__ = ["EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation"]
+__all__ = [
+    "EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation", "delegate_to_replica",
+]
 
 log = logging.getLogger("refit.engine")
 
 _WATCHDOG_PERIOD_S = 0.5
+
+_C = TypeVar("_C")
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,62 +403,72 @@ class ReplicaCore:
                     self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
 
 
+def delegate_to_replica(
+    *, groups: Collection[ConcurrencyGroup] | None = None, coroutines: bool = False, ray_groups: bool = False
+) -> Callable[[type[_C]], type[_C]]:
+    """A class decorator: every replica method of `refit.protocols.REPLICA_METHODS` (those in `groups`, if given) that
+    the class does not have yet, as a call to the same method of `self.replica`.
+
+    Each takes the protocol method's signature and docstring (Ray reads the signature to check a call's
+    arguments, `refit.protocols.accepts` to find optional ones). `coroutines`: each one made is `async` and
+    awaits the replica's (an `AsyncReplica`, whose update steps and `scale_records` are coroutines).
+    `ray_groups`: each one runs in its declared Ray concurrency group (`ray.method(concurrency_group=...)`).
+    """
+
+    def decorate(cls: type[_C]) -> type[_C]:
+        for name, spec in REPLICA_METHODS.items():
+            if hasattr(cls, name) or (groups is not None and spec.group not in groups):
+                continue
+            method = _delegation(cls, name, coroutines)
+            if ray_groups:
+                import ray
+
+                method = ray.method(concurrency_group=spec.group)(method)
+            setattr(cls, name, method)
+        return cls
+
+    return decorate
+
+
+def _delegation(cls: type, name: str, coroutine: bool) -> Callable[..., Any]:
+    """`self.replica.<name>(...)` as a method of `cls`, with the protocol's signature and docstring."""
+    if coroutine:
+        async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await getattr(self.replica, name)(*args, **kwargs)
+    else:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.replica, name)(*args, **kwargs)
+    declared = getattr(FullRolloutReplica, name)
+    method.__name__, method.__qualname__ = name, f"{cls.__qualname__}.{name}"
+    method.__module__, method.__doc__ = cls.__module__, declared.__doc__
+    method.__signature__ = inspect.signature(declared)  # type: ignore[attr-defined]
+    return method
+
+
+@delegate_to_replica(groups={"observe"})
 class ReplicaObservation:
-    """The observation methods of a replica (none waits), handed to `self.replica`; both mixins below take them."""
+    """The observation methods of a replica (none waits), handed to `self.replica`; both mixins below take them.
 
-    def describe(self) -> RolloutModelInfo:
-        return self.replica.describe()
+    `node_id` is the actor's own (where it runs); the others are made from `refit.protocols.REPLICA_METHODS`.
+    """
 
-    def status(self) -> ReplicaStatus:
-        return self.replica.status()
+    replica: Any
 
     def node_id(self) -> str:
+        """The Ray node the replica runs on."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
 
-    def last_update(self) -> dict | None:
-        return self.replica.last_update()
 
-    def transport_ranks(self) -> int:
-        return self.replica.transport_ranks()
-
-    def transport_group(self) -> str | None:
-        return self.replica.transport_group()
-
-    def base_digest(self, transport: str) -> str | None:
-        return self.replica.base_digest(transport)
-
-
+@delegate_to_replica()
 class ReplicaMethods(ReplicaObservation):
-    """The methods `refit.Syncer` calls (`refit.RolloutReplica`, the collective transport's too), handed to `self.replica`.
+    """The methods `refit.Syncer` calls (`refit.protocols.FullRolloutReplica`, every one), handed to `self.replica`.
 
     Mix into a rollout actor that holds its own engine: set
     `self.replica = refit.llm_replica(llm)` in its constructor and run its
-    requests inside `self.replica.request()` (examples/own_engine.py).
+    requests inside `self.replica.request()` (examples/own_engine.py). The
+    methods are made from `refit.protocols.REPLICA_METHODS` (`delegate_to_replica`).
     """
 
     replica: ReplicaCore
-
-    def scale_records(self) -> list[ScaleRecord]:
-        return self.replica.scale_records()
-
-    def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
-        self.replica.join_transport(rendezvous, member_offset, sync_id)
-
-    def leave_transport(self) -> None:
-        self.replica.leave_transport()
-
-    def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
-        return self.replica.begin_update(plan, sync_id, config)
-
-    def load_bucket(
-        self, sync_id: str, version: int, bucket: WireBucket | list, next_bucket_bytes: list[int | None] | None = None
-    ) -> float:
-        return self.replica.load_bucket(sync_id, version, bucket, next_bucket_bytes)
-
-    def finish_update(self, sync_id: str, version: int, probe: ProbeRequest | None = None) -> FinishedUpdate:
-        return self.replica.finish_update(sync_id, version, probe)
-
-    def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
-        return self.replica.abort_update(sync_id, reason)
