@@ -176,7 +176,7 @@ def test_a_class_passed_for_an_actor_is_refused_naming_it():
 def test_the_death_of_a_member_is_raised_whichever_of_its_echoes_came_first():
     """A broken gloo pair, a lost object or a missed deadline, each an echo of one dead rank: the rank is named."""
     from refit.errors import ActorDiedError, SyncTimeoutError
-    from refit.orchestration.syncer import _named_cause
+    from refit.orchestration.failures import named_cause as _named_cause
 
     for echo in (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"),
                  SyncTimeoutError("rollout 0: load_bucket did not answer within 20 s"),
@@ -205,11 +205,11 @@ def test_the_death_of_a_member_is_raised_whichever_of_its_echoes_came_first():
 
 def test_only_verification_failures_count_as_failed_verifications(monkeypatch):
     """A dead replica is an EngineError, not a failed check."""
-    import refit.orchestration.syncer as syncer_module
+    import refit.orchestration.failures as failures_module
     from refit.errors import VerificationError
 
     recorded = []
-    monkeypatch.setattr(syncer_module, "record_failure", lambda verification_failed, syncer: recorded.append(verification_failed))
+    monkeypatch.setattr(failures_module, "record_failure", lambda verification_failed, syncer: recorded.append(verification_failed))
     for failure, counted in ((EngineError("rollout 0 died"), False), (VerificationError("bucket 1 arrived altered"), True)):
         trainer, replicas = setup(finish=failure)
         with pytest.raises(type(failure)):

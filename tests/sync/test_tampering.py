@@ -108,7 +108,7 @@ def test_a_stranger_who_writes_the_groups_keys_in_its_store_cannot_break_a_sync(
                     store.set(f"{prefix}joined/{member}", "stranger")
             written.set()
 
-    monkeypatch.setattr("refit.orchestration.syncer.RendezvousHost", WatchedHost)
+    monkeypatch.setattr("refit.orchestration.collective_group.RendezvousHost", WatchedHost)
     syncer = refit.Syncer(trainer, replicas, CONFIGS["collective"])
     try:
         report = syncer.sync()

@@ -1,0 +1,83 @@
+"""Step 5 of a sync: gather what it did into a `SyncReport`, once every remaining replica serves the new version.
+
+Why apart from `report`: that module is the report's plain data, which a
+trainer image may read without a driver; this one asks the members for
+what the report says of them (where each runs, how long the trainer's
+ranks took), after the sync is done, so a member that no longer answers
+leaves a blank rather than failing a sync that succeeded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from refit.engine.lifecycle import FinishedUpdate
+from refit.errors import EngineError
+from refit.orchestration.calls import call_all
+from refit.orchestration.fleet import Roll, replica_id
+from refit.orchestration.report import ReplicaReport, SyncReport
+from refit.plan.config import SyncConfig
+from refit.plan.transfer_plan import TransferPlan
+from refit.protocols import has_method
+
+__all__ = ["Attempt", "check_finished", "sync_report"]
+
+
+class Attempt(NamedTuple):
+    """What one attempt that every member finished left: its sync id, the version, and per replica what it did."""
+
+    sync_id: str
+    number: int  # 1 for the first; each one after it lost a member (or a delta base)
+    version: int
+    load_seconds: dict[str, float]
+    finished: dict[str, FinishedUpdate]
+    modes: dict[str, str]
+
+
+def check_finished(finished: dict[str, Any]) -> None:
+    """Every replica's `finish_update` returned a `FinishedUpdate` (a custom replica may not)."""
+    wrong = [f"{who}: {f!r}" for who, f in finished.items() if not isinstance(f, FinishedUpdate)]
+    if wrong:
+        raise EngineError("finish_update must return a refit.engine.lifecycle.FinishedUpdate:\n  " + "\n  ".join(wrong))
+
+
+def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str, float], sources: list[tuple[str, Any]],
+                config: SyncConfig, *, start: float, startup_seconds: float, plan_seconds: float, digest: str | None) -> SyncReport:
+    """What the sync did, per stage (`stages`, seconds) and per replica; `start`: when it began (`time.perf_counter`)."""
+    nodes = _node_ids(roll.members, config.timeout_s)
+    return SyncReport(
+        version=done.version,
+        tensors=len(plan.tensors),
+        buckets=len(plan.buckets),
+        bytes_on_wire=plan.wire_bytes,
+        plan_seconds=plan_seconds,
+        trainer_seconds=_trainer_seconds(sources, config.timeout_s),
+        total_seconds=time.perf_counter() - start,
+        replicas=tuple(
+            ReplicaReport(replica_id(who), nodes[who], done.version, done.load_seconds.get(who, 0.0), f.seconds,
+                          f.kv_scales_written, f.verification, done.modes.get(who, "full"), f.bytes_received, f.digest)
+            for who, f in done.finished.items()
+        ),
+        begin_seconds=stages["begin"],
+        stream_seconds=stages["stream"],
+        finish_seconds=stages["finish"],
+        probe_breached=any(f.probe_passed is False for f in done.finished.values()),
+        startup_seconds=startup_seconds,
+        dropped=tuple(roll.dropped),
+        attempts=done.number,
+        digest=digest,
+    )
+
+
+def _node_ids(members: list[tuple[str, Any]], timeout_s: float) -> dict[str, str]:
+    """Where each member runs; "" for one that no longer answers (the sync is done: that is no reason to fail it)."""
+    return {o.who: o.value if o.ok else "" for o in call_all(members, "node_id", timeout_s=timeout_s)}
+
+
+def _trainer_seconds(sources: list[tuple[str, Any]], timeout_s: float) -> float | None:
+    """The slowest rank's producing time. Optional in the protocol: custom trainers may not time themselves."""
+    if not all(has_method(source, "last_stream_seconds") for _, source in sources):
+        return None
+    outcomes = call_all(sources, "last_stream_seconds", timeout_s=timeout_s)
+    return max(o.value for o in outcomes) if all(o.ok for o in outcomes) else None

@@ -1,0 +1,114 @@
+"""Step 3 of a sync: hand each of the trainer's buckets to every replica as soon as it exists.
+
+Why a window: the trainer runs at most `SyncConfig.max_buckets_in_flight`
+buckets ahead of the slowest replica, so quantizing bucket i+1 overlaps
+loading bucket i while memory stays bounded; every wait has a deadline.
+Over `collective` and `ipc` the trainer's stream carries only each
+bucket's table of contents: the driver reads it and looks one bucket
+ahead, so that a worker can post the receive of the next bucket before it
+loads this one. Over `ray` each replica fetches the bucket's refs itself
+(the driver never pulls bucket bytes), so a lost replica is dropped and
+the others go on; over `collective` its loss breaks every member's
+broadcasts (`GroupBroken`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from refit.errors import PlanMismatchError
+from refit.orchestration.calls import BucketStream, submit_all, wait_all
+from refit.orchestration.fleet import Roll, broken_group, losses
+from refit.orchestration.progress import progress_bar
+from refit.plan.config import SyncConfig, Transport
+from refit.plan.transfer_plan import TransferPlan
+from refit.transport.collective import Rendezvous
+from refit.transport.delta import DeltaMode
+from refit.transport.ipc import IpcTransport
+
+__all__ = ["BucketRelay"]
+
+
+class BucketRelay:
+    """One sync's stream, from the trainer's ranks to the roll's members; `run` returns each one's load seconds."""
+
+    def __init__(self, plan: TransferPlan, sync_id: str, version: int, roll: Roll,
+                 sources: list[tuple[str, Any]], config: SyncConfig) -> None:
+        self.plan, self.sync_id, self.version, self.roll = plan, sync_id, version, roll
+        self.sources = sources
+        self.config = config
+        self.timeout = config.timeout_s
+        self.in_flight: collections.deque[list[tuple[str, Any]]] = collections.deque()
+        self.seconds = dict.fromkeys((who for who, _ in roll.members), 0.0)
+        self.one_group = False  # every member's broadcasts break with one member
+        self.progress: Any = None
+
+    def run(self, transport: Rendezvous | IpcTransport | str, delta: DeltaMode | None, modes: dict[str, str]) -> dict[str, float]:
+        """Stream every bucket of the plan to the members in their `modes` ("full" or "delta"); load seconds by name."""
+        by_contents = transport != Transport.RAY
+        self.one_group = isinstance(transport, Rendezvous)
+        buckets = len(self.plan.buckets)
+        streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
+                   for who, source in self.sources]
+        by_mode = {mode: [(who, r) for who, r in self.roll.members if modes.get(who, "full") == mode] for mode in ("full", "delta")}
+        self.progress = progress_bar(self.config.progress, buckets, f"refit sync v{self.version}", unit="bucket")
+        try:
+            upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if by_contents else []
+            for index in range(buckets):
+                if by_contents:  # each rank's contents of this bucket, and of the one after
+                    parts = upcoming
+                    upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if index + 1 < buckets else []
+                    delta_parts = parts
+                else:
+                    parts = [stream.next(self.timeout) for stream in streams]  # one part per rank (one rank: the bucket)
+                    # In "both" mode each rank yields the whole part, then its delta.
+                    delta_parts = [stream.next(self.timeout) for stream in streams] if delta is DeltaMode.BOTH else parts
+                if any(part is None for part in parts + delta_parts):
+                    raise self._ended_early(parts + delta_parts)
+                self.in_flight.append(self._hand_on(by_mode, parts, delta_parts, upcoming, by_contents))
+                while len(self.in_flight) >= self.config.max_buckets_in_flight:
+                    self._wait_oldest()
+            while self.in_flight:
+                self._wait_oldest()
+            extra = [who for (who, _), stream in zip(self.sources, streams) if stream.next(self.timeout) is not None]
+            if extra:
+                raise PlanMismatchError(f"{', '.join(extra)} streamed more buckets than the plan's {buckets}")
+        finally:
+            self.progress.close()
+            for stream in streams:
+                stream.close()
+        return self.seconds
+
+    def _hand_on(self, by_mode: dict[str, list[tuple[str, Any]]], parts: list[Any], delta_parts: list[Any],
+                 upcoming: list[Any], by_contents: bool) -> list[tuple[str, Any]]:
+        """Submit one bucket's load to every member still in the roll, each the kind its mode asks; the pending loads."""
+        submitted = []
+        for members, sent in ((by_mode["full"], parts), (by_mode["delta"], delta_parts)):
+            if by_contents:
+                args = (sent, [None if part is None else part.nbytes for part in upcoming or [None] * len(sent)])
+            else:
+                args = (sent[0] if len(sent) == 1 else [ref for part in sent for ref in _as_list(part)],)
+            submitted += submit_all([(who, r) for who, r in members if self.roll.has(who)], "load_bucket",
+                                    self.sync_id, self.version, *args)
+        return submitted
+
+    def _wait_oldest(self) -> None:
+        pending = [(who, ref) for who, ref in self.in_flight.popleft() if self.roll.has(who)]  # none for the dropped
+        outcomes = wait_all(pending, "load_bucket", timeout_s=self.timeout, until_a_death=self.one_group)
+        lost = losses(outcomes)
+        if lost and self.one_group:
+            raise broken_group(lost)
+        for who, spent in self.roll.settle(outcomes, self.sync_id).items():
+            self.seconds[who] += spent
+        self.progress.update()
+
+    def _ended_early(self, parts: list[Any]) -> PlanMismatchError:
+        while self.in_flight:  # a trainer that failed ended its stream: the loads raise its error first
+            self._wait_oldest()
+        ended = sorted({who for (who, _), part in zip(self.sources * 2, parts) if part is None})
+        return PlanMismatchError(f"{', '.join(ended)} ended the stream before the plan's {len(self.plan.buckets)} buckets")
+
+
+def _as_list(part: Any) -> list[Any]:
+    return part if isinstance(part, list) else [part]
