@@ -6,8 +6,9 @@ vLLM's warnings are logged by every correct start or sync of an engine as
 refit runs it, and read like failures ("Failed to load weights"). Each is
 named below with why it is benign; each is matched on its logger and its
 exact message (and arguments, where they tell a benign case from a real
-one), so the same words about anything else still show, and so does
-performance advice (LD_PRELOAD, eager mode). Imports no vLLM:
+one), so the same words about anything else still show. Advice a user may
+act on but that reports nothing wrong (LD_PRELOAD, the in-process engine's
+random seed) is kept, at INFO (`VLLM_ADVICE`). Imports no vLLM:
 the filters attach to vLLM's loggers by name, before or after vLLM creates
 them.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-__all__ = ["BENIGN_VLLM_WARNINGS", "BenignVllmWarnings", "quiet_benign_vllm_warnings"]
+__all__ = ["BENIGN_VLLM_WARNINGS", "VLLM_ADVICE", "BenignVllmWarnings", "quiet_benign_vllm_warnings"]
 
 Match = Callable[[logging.LogRecord], bool]
 
@@ -52,9 +53,16 @@ BENIGN_VLLM_WARNINGS: dict[str, tuple[Match, ...]] = {
     ),
     "vllm.platforms.cpu": (
         _message("Triton is not installed. triton-cpu is expected on x86 CPUs."),
+        # Every CPU engine's start, whatever its model: the state-space (mamba) cache dtype is reset when no
+        # accelerated GDN backend is in use ('none'); models without SSM layers have no such cache.
+        _message("Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", ("none",)),
     ),
     "vllm.config.vllm": (
         _message("Model Runner V2 requires Triton; using the V1 model runner instead."),
+        # `EngineConfig.enforce_eager` (True by default: refit's CPU engines and tests run eager, and a user who wants
+        # torch.compile and CUDA graphs sets it False): vLLM then says what eager mode turns off, twice, on every start.
+        _starts("Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup."),
+        _starts("Inductor compilation was disabled by user settings"),
     ),
     # A CPU worker binds its threads to cores, then replaces `torch.set_num_threads` with a function that says
     # it skipped the call: torch and the libraries a sync loads call it, and the threads stay bound as vLLM set
@@ -68,20 +76,35 @@ BENIGN_VLLM_WARNINGS: dict[str, tuple[Match, ...]] = {
 }
 
 
-class BenignVllmWarnings(logging.Filter):
-    """Drops the records of one vLLM logger that match its entry of `BENIGN_VLLM_WARNINGS`; passes every other."""
+# logger name -> advice a user may act on, but that says nothing is wrong: kept, at INFO instead of WARNING.
+VLLM_ADVICE: dict[str, tuple[Match, ...]] = {
+    # A CPU engine's start without tcmalloc / Intel OpenMP preloaded: slower, not wrong (docs/cpu.md).
+    "vllm.v1.worker.cpu_worker": (_starts("%s is not found in LD_PRELOAD."),),
+    # An in-process engine seeds the process's global random state; in refit's rollout actors the engine owns its
+    # process, and a user who embeds one in a process of their own still sees the line, at INFO.
+    "vllm.engine.arg_utils": (_starts("The global random seed is set to %d."),),
+}
 
-    def __init__(self, matches: tuple[Match, ...]) -> None:
+
+class BenignVllmWarnings(logging.Filter):
+    """Drops the records of one vLLM logger that match its `BENIGN_VLLM_WARNINGS`, turns its `VLLM_ADVICE` into INFO,
+    and passes every other record as it is."""
+
+    def __init__(self, benign: tuple[Match, ...], advice: tuple[Match, ...] = ()) -> None:
         super().__init__()
-        self.matches = matches
+        self.matches, self.advice = benign, advice
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(match(record) for match in self.matches)
+        if any(match(record) for match in self.matches):
+            return False
+        if record.levelno == logging.WARNING and any(match(record) for match in self.advice):
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
 
 
 def quiet_benign_vllm_warnings() -> None:
     """Attach the filters to vLLM's loggers (once per process; harmless to call again)."""
-    for name, matches in BENIGN_VLLM_WARNINGS.items():
+    for name in BENIGN_VLLM_WARNINGS.keys() | VLLM_ADVICE.keys():
         logger = logging.getLogger(name)
         if not any(isinstance(f, BenignVllmWarnings) for f in logger.filters):
-            logger.addFilter(BenignVllmWarnings(matches))
+            logger.addFilter(BenignVllmWarnings(BENIGN_VLLM_WARNINGS.get(name, ()), VLLM_ADVICE.get(name, ())))

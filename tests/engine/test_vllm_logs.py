@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from refit.engine.vllm_logs import BENIGN_VLLM_WARNINGS, quiet_benign_vllm_warnings
+from refit.engine.vllm_logs import BENIGN_VLLM_WARNINGS, VLLM_ADVICE, quiet_benign_vllm_warnings
 from tests.support.actors import KeptMessages
 
 LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
@@ -24,17 +24,24 @@ BENIGN = [  # (logger, message, args) exactly as vLLM 0.32 logs them
     (CPU_WORKER, "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.", ()),
     (CPU_WORKER, "Node %s is not in available memory nodes %s.", (1, [0])),
     (CPU_WORKER, "CPU group key %s is not a valid memory node. Falling back to memory node %s.", (1, 0)),
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is ...", ()),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings, ...", ()),
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", ("none",)),
+]
+
+ADVICE = [  # kept, at INFO
+    (CPU_WORKER, "%s is not found in LD_PRELOAD. For best performance, please follow the section ...", ("libtcmalloc",)),
+    ("vllm.engine.arg_utils", "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING ...", (0,)),
 ]
 
 PASSED = [  # alike in words, but a real problem or advice a user may act on
     (LAYERWISE, "%s: Failed to load weights", ("QKVParallelLinear",)),
     (LAYERWISE, "%s: Failed to load weights", ("FusedMoE",)),
     ("vllm.renderers.base", "Using None for BOS token id because tokenizer is not initialized", ()),
-    (CPU_WORKER, "%s is not found in LD_PRELOAD. For best performance, please follow the section ...", ("libtcmalloc",)),
     (CPU_WORKER, "sleep mode is not supported on CPU, ignore it.", ()),
-    ("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", ("none",)),
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", ("mamba2",)),
     ("vllm.model_executor.models.qwen3", "RotaryEmbedding: Failed to load weights", ()),  # another logger
-    ("vllm.config.vllm", "Inductor compilation was disabled by user settings, ...", ()),
+    ("vllm.config.vllm", "Compilation was disabled by the platform, ...", ()),
 ]
 
 
@@ -66,9 +73,16 @@ def test_every_other_warning_goes_through(kept, name, message, args):
     assert kept.messages == [message % args if args else message]
 
 
+@pytest.mark.parametrize(("name", "message", "args"), ADVICE, ids=[m[:30] for _, m, _ in ADVICE])
+def test_advice_is_kept_at_info(kept, name, message, args):
+    logging.getLogger(name).warning(message, *args)
+    assert kept.messages == [message % args] and kept.levels == ["INFO"]
+
+
 def test_each_logger_has_one_filter_and_every_match_is_tested():
-    for name in BENIGN_VLLM_WARNINGS:
+    for name in BENIGN_VLLM_WARNINGS.keys() | VLLM_ADVICE.keys():
         quiet_benign_vllm_warnings()
         assert len(logging.getLogger(name).filters) == 1, name
     assert {name for name, _, _ in BENIGN} == set(BENIGN_VLLM_WARNINGS)
     assert len(BENIGN) == sum(map(len, BENIGN_VLLM_WARNINGS.values()))
+    assert {name for name, _, _ in ADVICE} == set(VLLM_ADVICE) and len(ADVICE) == sum(map(len, VLLM_ADVICE.values()))

@@ -190,14 +190,16 @@ class UnreadableReplica:
 
 
 class KeptMessages(logging.Handler):
-    """A log handler that keeps each record's message."""
+    """A log handler that keeps each record's message and level name."""
 
     def __init__(self, level: int = logging.DEBUG) -> None:
         super().__init__(level)
         self.messages: list[str] = []
+        self.levels: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+        self.levels.append(record.levelname)
 
 
 def keep_vllm_warnings(rollout) -> None:
