@@ -14,7 +14,7 @@ import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError, VerificationError
 from refit.plan.config import QuantizeOn
-from refit.plan.transfer_plan import TransferPlan
+from refit.plan.transfer_plan import PlannedTensor, TransferPlan
 from refit.provenance import refuse_invalid_scales
 from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block
 from refit.transport.buckets import BucketWriter, WireBucket, WireTensor
@@ -37,12 +37,10 @@ def produce_buckets(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -
     for index, bucket in enumerate(plan.buckets):
         # Laid out from the plan first, so the quantizer writes its codes and
         # scales straight into the buffer they travel in.
-        blocks = [planned.block if plan.quantize_on is QuantizeOn.TRAINER else None for planned in bucket]
-        writer = BucketWriter(index, [entry for planned, block in zip(bucket, blocks) for entry in
-                                      loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block)],
-                             key=plan.integrity_key)
+        layouts = [_wire_layout(plan, planned) for planned in bucket]
+        writer = BucketWriter(index, [entry for _, layout in layouts for entry in layout], key=plan.integrity_key)
         slot = 0
-        for planned, block in zip(bucket, blocks):
+        for planned, (block, _) in zip(bucket, layouts):
             value = tensor(planned.source).detach()
             if block is None:
                 writer.slot(slot).copy_(value)
@@ -103,12 +101,20 @@ def loadable_tensors(
     return out
 
 
+def _wire_layout(
+    plan: TransferPlan, planned: PlannedTensor
+) -> tuple[tuple[int, int] | None, list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """How `planned` travels: its FP8 block (None: as it is) and its wire entries `(name, dtype, shape)`; one answer
+    for the sender that lays a bucket out and the receiver that checks it."""
+    block = planned.block if plan.quantize_on is QuantizeOn.TRAINER else None
+    return block, loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block)
+
+
 def _expected_entries(plan: TransferPlan, bucket: int) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     """What bucket `bucket` may hold, by wire name: (dtype, whole shape, whether it is an FP8 weight scale)."""
     expected = {}
     for planned in plan.buckets[bucket]:
-        block = planned.block if plan.quantize_on is QuantizeOn.TRAINER else None
-        for name, dtype, shape in loadable_layout(planned.target, planned.shape, getattr(torch, planned.dtype), block):
+        for name, dtype, shape in _wire_layout(plan, planned)[1]:
             expected[name] = (str(dtype).removeprefix("torch."), tuple(shape), name != planned.target)
     return expected
 
