@@ -44,7 +44,7 @@ from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
-from refit.plan.config import Pause, SyncConfig, Transport
+from refit.plan.config import Pause, SyncConfig
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.provenance import ScaleRecord
 from refit.tokens import token_prompts
@@ -243,10 +243,10 @@ class AsyncLLMAdapter:
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
-        if config.transport is Transport.RAY:
+        if config.transport_kind.traits.needs_core_in_process:
             raise ConfigError(
-                "transport='ray' hands tensors to vLLM's workers as RPC arguments, which an AsyncLLM's engine core "
-                "(always in its own process) cannot pass on; use SyncConfig(transport='collective')"
+                f"transport={config.transport_kind.name!r} hands tensors to vLLM's workers as RPC arguments, "
+                "which an AsyncLLM's engine core (always in its own process) cannot pass on; use SyncConfig(transport='collective')"
             )
 
     def call_workers(self, method: str, *args: Any) -> list:

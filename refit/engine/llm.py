@@ -27,7 +27,7 @@ from refit.engine.config import EngineConfig
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore
 from refit.errors import ConfigError, EngineError
 from refit.import_heap import collector_paused, freeze_import_heap
-from refit.plan.config import Pause, SyncConfig, Transport
+from refit.plan.config import Pause, SyncConfig
 from refit.tokens import token_prompts
 
 __all__ = ["LLMAdapter", "llm_replica", "start_llm"]
@@ -87,10 +87,11 @@ class LLMAdapter:
                 f"pause={str(config.pause)!r}: a vllm.LLM replica serves whole batches and always waits for them; "
                 "an AsyncLLM replica (actors.AsyncRolloutActor) can abort requests in flight"
             )
-        if config.transport is Transport.RAY and not self.engine_core_in_process:
+        if config.transport_kind.traits.needs_core_in_process and not self.engine_core_in_process:
             raise ConfigError(
-                "transport='ray' hands tensors to vLLM's workers as RPC arguments, which needs the engine core in "
-                "the rollout's process, but this engine runs it in its own (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
+                f"transport={config.transport_kind.name!r} hands tensors to vLLM's workers as RPC arguments, "
+                "which needs the engine core in the rollout's process, but this engine runs it in its own "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=1); "
                 "use SyncConfig(transport='collective')"
             )
 

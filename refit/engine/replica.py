@@ -39,7 +39,7 @@ from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
 from refit.errors import InvalidTensorError, LifecycleError, PlanMismatchError, VerificationError
-from refit.plan.config import Pause, SyncConfig, Transport, Verify
+from refit.plan.config import Pause, SyncConfig, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
 from refit.protocols import REPLICA_METHODS, ConcurrencyGroup, FullRolloutReplica
@@ -48,7 +48,6 @@ from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.delta import ReplicaBase
-from refit.transport.object_store import fetch_parts
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, thresholds_for
 
@@ -215,7 +214,8 @@ class ReplicaCore:
     ) -> float:
         """Load one bucket (one part per sending rank of a sharded trainer); returns seconds spent loading.
 
-        Through Ray's object store the parts come as refs, fetched here; over
+        How it comes is its transport's (`TransportKind.deliver`): through
+        Ray's object store the parts come as refs, fetched here; over
         `collective` or `ipc` as their contents, while the workers receive
         the bytes (`next_bucket_bytes`: each rank's next part's size, for the
         workers to post its receive early).
@@ -224,26 +224,13 @@ class ReplicaCore:
             self.lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
             self._digest = None  # the base changes from here until the update is served
-            verify = config.verify is not Verify.OFF
             try:
-                if next_bucket_bytes is not None:
-                    self.lifecycle.loading(sync_id, version)
-                    start = time.perf_counter()
-                    self._progress["bytes_received"] += sum(part.nbytes for part in bucket)
-                    self.workers.receive(bucket, next_bucket_bytes, version, verify=verify)
-                else:
-                    parts = fetch_parts(bucket, config.timeout_s)
-                    self._progress["bytes_received"] += sum(part.nbytes for part in parts)
-                    tensors = loadable_tensors(plan, parts, verify=verify,
-                                               base=self._base if config.keeps_delta_base else None)
-                    self.lifecycle.loading(sync_id, version)
-                    start = time.perf_counter()
-                    self.workers.load(tensors, version, verify=verify)
+                seconds = config.transport_kind.deliver(bucket, next_bucket_bytes, _BucketLoad(self, sync_id, version, plan, config),
+                                                        config.timeout_s)
             except BaseException as error:
                 refused = isinstance(error, (VerificationError, InvalidTensorError, PlanMismatchError))
                 self._close(sync_id, f"loading a bucket failed: {error}", model_changed=self._loaded_anything() if refused else None)
                 raise
-            seconds = time.perf_counter() - start
             self._progress["buckets"] += 1
             self._progress["load_seconds"] += seconds
             return seconds
@@ -312,21 +299,22 @@ class ReplicaCore:
     # -- the steps' parts -----------------------------------------------------------------
     def _begin_base(self, config: SyncConfig) -> None:
         """Keep the base this update's transport uses (its digest still names it: the driver asks after begin), drop the other."""
-        if config.keeps_delta_base and config.transport is Transport.RAY:
+        base_in = config.transport_kind.traits.delta_base_in
+        if config.keeps_delta_base and base_in == "replica":
             self._base.begin()
         else:
             self._base.clear()
         if not (config.keeps_delta_base and self._digest is not None and self._digest[0] == str(config.transport)):
             self._digest = None
-        if self._workers_keep_base and config.transport is not Transport.COLLECTIVE:
+        if self._workers_keep_base and base_in != "workers":
             self.workers.drop_base()  # their base is for another transport: no second copy of the model
-        self._workers_keep_base = config.keeps_delta_base and config.transport is Transport.COLLECTIVE
+        self._workers_keep_base = config.keeps_delta_base and base_in == "workers"
 
     def _finish_base(self, config: SyncConfig) -> str | None:
         """The served version's digest, when a base holds it (over `collective`: every worker's must agree)."""
         if not config.keeps_delta_base:
             return None
-        if config.transport is Transport.RAY:
+        if config.transport_kind.traits.delta_base_in == "replica":
             digest = self._base.finish()
         else:
             digests = set(self.workers.base_digests())
@@ -401,6 +389,36 @@ class ReplicaCore:
                 expired = self.lifecycle.expired()  # a call may have renewed it meanwhile
                 if expired is not None:
                     self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
+
+
+@dataclass
+class _BucketLoad:
+    """One bucket's load into `core`'s open update: the `BucketSink` its transport's `deliver` calls, one way or the other."""
+
+    core: ReplicaCore
+    sync_id: str
+    version: int
+    plan: TransferPlan
+    config: SyncConfig
+
+    def load_fetched(self, parts: list[WireBucket]) -> float:
+        """Parts fetched from the object store: made tensors here (rebuilding deltas on the base), handed to the workers."""
+        core, verify = self.core, self.config.verify is not Verify.OFF
+        core._progress["bytes_received"] += sum(part.nbytes for part in parts)
+        tensors = loadable_tensors(self.plan, parts, verify=verify, base=core._base if self.config.keeps_delta_base else None)
+        core.lifecycle.loading(self.sync_id, self.version)
+        start = time.perf_counter()
+        core.workers.load(tensors, self.version, verify=verify)
+        return time.perf_counter() - start
+
+    def receive_in_workers(self, contents: list[BucketContents], next_bucket_bytes: list[int | None]) -> float:
+        """Only the contents cross the RPC; the workers receive the bytes (each rank's next part's size: post it early)."""
+        core = self.core
+        core.lifecycle.loading(self.sync_id, self.version)
+        start = time.perf_counter()
+        core._progress["bytes_received"] += sum(part.nbytes for part in contents)
+        core.workers.receive(contents, next_bucket_bytes, self.version, verify=self.config.verify is not Verify.OFF)
+        return time.perf_counter() - start
 
 
 def delegate_to_replica(

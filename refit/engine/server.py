@@ -88,7 +88,7 @@ from refit.engine.replica import Generation, ReplicaCore
 from refit.engine.server_gate import DUMMY_ENV, KEY_ENV, PASS_HOLD_HEADER
 from refit.engine.worker_rpc import decode_reply, encode_call
 from refit.errors import ConfigError, EngineError, EngineHungError, ServerError, ServerGoneError
-from refit.plan.config import Pause, SyncConfig, Transport
+from refit.plan.config import Pause, SyncConfig
 from refit.tokens import token_prompts
 from refit.transport.collective import JOIN_MARGIN_S
 
@@ -239,7 +239,7 @@ class ServerAdapter:
     # -- the core's calls ---------------------------------------------------------------
     def check(self, config: SyncConfig) -> None:
         """Refuse a transport whose bytes would cross HTTP, and a server that restarted since it connected."""
-        if config.transport is not Transport.COLLECTIVE:
+        if not config.transport_kind.traits.reaches_server:
             raise ConfigError(
                 f"transport={str(config.transport)!r}: a vllm serve replica ({self.url}) takes its bytes only over "
                 "a collective group its workers join (HTTP carries only control messages); "

@@ -67,16 +67,16 @@ from refit.provenance import (
 )
 from refit.provenance.tracker import is_attention_layer
 from refit.transport.buckets import BucketContents
-from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous, receive_parts
+from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
 from refit.transport.delta import ReplicaBase
-from refit.transport.ipc import open_ipc_bucket, require_cuda
+from refit.transport.kinds import TransportKind, transport_kind
 
 __all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
 
 
 @dataclass
 class RefitInitInfo(WeightTransferInitInfo):
-    """Nothing to negotiate: the transport is the rollout actor's Ray connection."""
+    """Nothing to negotiate: each update says its transport (`expect_plan`), or brings tensors over the actor's RPC."""
 
 
 @dataclass
@@ -108,7 +108,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._expected: frozenset[str] = frozenset()
         self._reload_open = False
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
-        self._transport: str | None = None  # which one: "collective" or "ipc"
+        self._kind: TransportKind | None = None  # which one (a transport whose bytes come by contents)
         self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
         self.base = ReplicaBase()  # the delta base, when bytes come over the collective group (refit/transport/delta.py)
         self._keep_base = False
@@ -152,12 +152,12 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         re-joins) its collective group after this. `keep_base`: keep what
         arrives as the delta base, which rebuilds the deltas that arrive.
         """
-        if transport == "ipc":
-            require_cuda("this vLLM worker")
+        kind = transport_kind(transport)
+        kind.prepare_worker()  # before anything of the update changes: a worker that cannot receive refuses here
         for receiver in self._receivers:
             receiver.clear()
         self._plan = plan
-        self._transport = transport
+        self._kind = kind
         self._keep_base = keep_base
         if keep_base:
             self.base.begin()
@@ -190,14 +190,11 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         if self._plan is None:
             raise LifecycleError("a bucket's contents arrived, but this update was not told its plan (expect_plan)")
         parts = [BucketContents.from_plain(plain) for plain in update_info.contents]  # one per sending rank
-        if any(part.ipc_handle is not None for part in parts):
-            if self._transport != "ipc":  # a handle is unpickled to open it: only where this update expects one
-                raise LifecycleError(f"a bucket arrived with CUDA IPC handles during a {self._transport} update; refused")
-            bucket = [open_ipc_bucket(part, self.device) for part in parts]
-        elif not self._receivers:
-            raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")
-        else:
-            bucket = receive_parts(self._receivers, parts, list(update_info.next_bucket_bytes))
+        kind = self._kind
+        if any(part.ipc_handle is not None for part in parts) and not kind.traits.opens_ipc_handles:
+            # A handle is unpickled to open it: only where this update expects one.
+            raise LifecycleError(f"a bucket arrived with CUDA IPC handles during a {kind.name} update; refused")
+        bucket = kind.receive(parts, self._receivers, list(update_info.next_bucket_bytes), self.device)
         tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify, base=self.base if self._keep_base else None)
         # The reload holds on to tensors of a layer it has not completed (and to
         # attention scales until finish), but this buffer takes the bucket after

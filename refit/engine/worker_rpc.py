@@ -46,6 +46,7 @@ from refit.plan.transfer_plan import TransferPlan
 from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, ScaleRecord, ScaleSource, apply_kv_scale_policy
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
+from refit.transport.kinds import transport_kind
 
 if TYPE_CHECKING:
     from refit.engine.transfer_backend import RefitTransferBackend
@@ -65,7 +66,7 @@ class WorkerCalls:
         """Put every layer in loadable form; over `collective` or `ipc`, tell the workers the plan of what arrives
         and whether they keep what arrives as their delta base."""
         self._call("start_weight_update")  # vLLM's own worker method, which calls the backend's
-        if transport is not Transport.RAY:
+        if transport_kind(transport).traits.by_contents:
             self._call("refit_expect_plan", plan.to_plain(), str(transport), keep_base)
 
     def base_digests(self) -> list[str | None]:
@@ -276,7 +277,7 @@ def _parse_call(payload: Any) -> tuple[str, list]:
                                           for part in args[0]["contents"] or [None]):
         # A part's fourth field is a CUDA IPC handle, which a worker unpickles: never from the network.
         raise ConfigError("update_weights through a server's /collective_rpc takes contents without IPC handles "
-                          "(the ipc transport is refused for a vllm serve replica)")
+                          "(a vllm serve replica refuses the ipc transport)")
     return method, args
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit.errors import ActorDiedError, EngineGoneError, EngineHungError, SyncTimeoutError, TransportError
+from refit.transport.kinds import kind_of_handle
 from refit.transport.object_store import remote_error
 
 __all__ = [
@@ -173,7 +174,7 @@ class BucketStream:
         self._actor = is_actor(trainer)
         self._who = who  # "the trainer", or "trainer rank i" of a sharded one
         # A custom source may know only the object store, and only whole buckets.
-        args = (plan,) if transport == "ray" and delta is None else (plan, transport)
+        args = (plan,) if not kind_of_handle(transport).traits.by_contents and delta is None else (plan, transport)
         args += () if delta is None else (str(delta),)
         if self._actor:
             self._gen = trainer.stream_buckets.options(

@@ -22,9 +22,9 @@ from typing import Any
 from refit.errors import GroupBroken
 from refit.orchestration.calls import Outcome, call_all, dead_members, raise_first_error, submit_all, summary, wait_all
 from refit.orchestration.fleet import Lost, Roll, broken_group, losses
-from refit.plan.config import SyncConfig, Transport
+from refit.plan.config import SyncConfig
 from refit.transport.collective import JOIN_MARGIN_S, Rendezvous, RendezvousHost
-from refit.transport.ipc import IpcTransport
+from refit.transport.kinds import StreamHandle
 
 __all__ = ["CollectiveGroupLifecycle"]
 
@@ -40,16 +40,17 @@ class CollectiveGroupLifecycle:
         self._host: RendezvousHost | None = None
         self._replicas: tuple[str, ...] = ()
 
-    def connect(self, sync_id: str, members: list[tuple[str, Any]]) -> Rendezvous | IpcTransport | str:
-        """What the trainer's stream is told to send over: "ray", an `IpcTransport`, or the collective group's rendezvous.
+    def connect(self, sync_id: str, members: list[tuple[str, Any]]) -> StreamHandle:
+        """What the trainer's stream is told to send over: "ray", an `IpcTransport`, or the collective group's rendezvous."""
+        return self.config.transport_kind.stream_handle(self.config.max_buckets_in_flight,
+                                                        lambda: self._group_for(sync_id, members))
+
+    def _group_for(self, sync_id: str, members: list[tuple[str, Any]]) -> Rendezvous:
+        """The group kept from an earlier sync if every member is still in it, else a new one.
 
         The group is the sending trainer ranks, then every worker of every
         replica of this sync; a channel per sending rank.
         """
-        if self.config.transport is Transport.IPC:
-            return IpcTransport.for_buckets_in_flight(self.config.max_buckets_in_flight)
-        if self.config.transport is Transport.RAY:
-            return "ray"
         timeout = self.config.timeout_s
         if self._host is not None:
             same_fleet = self._replicas == tuple(who for who, _ in members)
@@ -126,7 +127,7 @@ class CollectiveGroupLifecycle:
         Members are then asked whether they live; a dead trainer rank, or no
         dead replica, leaves the error a failure of the sync.
         """
-        if self.config.transport is not Transport.COLLECTIVE or roll.stage not in ("connect", "stream"):
+        if not self.config.transport_kind.traits.one_group or roll.stage not in ("connect", "stream"):
             return []
         if isinstance(error, GroupBroken):
             return error.lost

@@ -18,7 +18,7 @@ from typing import Any
 from refit.engine.lifecycle import FinishedUpdate
 from refit.orchestration.calls import call_all, raise_first_error
 from refit.orchestration.fleet import Roll
-from refit.plan.config import SyncConfig, Transport
+from refit.plan.config import SyncConfig
 from refit.protocols import accepts, has_method
 from refit.transport.delta import DeltaMode, version_digest
 
@@ -58,7 +58,7 @@ class DeltaNegotiation:
             return DeltaMode.FULL, modes
         if all(mode == "delta" for mode in modes.values()):
             return DeltaMode.DELTA, modes
-        if self.config.transport is Transport.RAY:
+        if not self.config.transport_kind.traits.one_group:  # each replica fetches the kind of bucket it needs
             return DeltaMode.BOTH, modes
         log.info("delta sync: %s hold(s) another version than the trainer's last; over one broadcast every replica "
                  "gets whole buckets", ", ".join(who for who, mode in modes.items() if mode == "full"))

@@ -20,12 +20,11 @@ from refit.errors import ConfigError
 from refit.orchestration.calls import call_all, is_actor, raise_first_error, wait_until_started
 from refit.orchestration.fleet import replica_name
 from refit.orchestration.progress import progress_bar
-from refit.plan.config import SyncConfig, Transport, Verify
+from refit.plan.config import SyncConfig, Verify
 from refit.plan.transfer_plan import RolloutModelInfo
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 
 __all__ = [
-    "GROUP_METHODS",
     "Membership",
     "actor_problems",
     "check_same_model",
@@ -36,8 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("refit.orchestration")
-
-GROUP_METHODS = ("join_transport", "leave_transport", "transport_group")  # what transport='collective' calls on every member
 
 
 class Membership:
@@ -57,9 +54,9 @@ class Membership:
         problems = []
         for who, replica in members:
             problems += [f"{who} lacks {m}()" for m in missing_methods(replica, RolloutReplica)]
-            if self.config.transport is Transport.COLLECTIVE:
-                problems += [f"{who} lacks {m}(), which transport='collective' needs"
-                             for m in (*GROUP_METHODS, "transport_ranks") if not has_method(replica, m)]
+            kind = self.config.transport_kind
+            problems += [f"{who} lacks {m}(), which transport={kind.name!r} needs"
+                         for m in kind.traits.replica_methods if not has_method(replica, m)]
         return problems
 
     def add(self, replica: RolloutReplica, model: RolloutModelInfo | None) -> str:
@@ -125,9 +122,9 @@ def actor_problems(sources: list[tuple[str, Any]], fleet: Membership) -> list[st
     if config.verify is Verify.PROBE:
         problems += [f"{who} lacks reference_logprobs(), which verify='probe' needs"
                      for who, source in sources if not has_method(source, "reference_logprobs")]
-    if config.transport is Transport.COLLECTIVE:
-        problems += [f"{who} lacks {m}(), which transport='collective' needs"
-                     for who, source in sources for m in GROUP_METHODS if not has_method(source, m)]
+    kind = config.transport_kind
+    problems += [f"{who} lacks {m}(), which transport={kind.name!r} needs"
+                 for who, source in sources for m in kind.traits.sender_methods if not has_method(source, m)]
     return problems
 
 

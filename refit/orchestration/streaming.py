@@ -21,11 +21,10 @@ from refit.errors import PlanMismatchError
 from refit.orchestration.calls import BucketStream, submit_all, wait_all
 from refit.orchestration.fleet import Roll, broken_group, losses
 from refit.orchestration.progress import progress_bar
-from refit.plan.config import SyncConfig, Transport
+from refit.plan.config import SyncConfig
 from refit.plan.transfer_plan import TransferPlan
-from refit.transport.collective import Rendezvous
 from refit.transport.delta import DeltaMode
-from refit.transport.ipc import IpcTransport
+from refit.transport.kinds import StreamHandle, kind_of_handle
 
 __all__ = ["BucketRelay"]
 
@@ -44,10 +43,11 @@ class BucketRelay:
         self.one_group = False  # every member's broadcasts break with one member
         self.progress: Any = None
 
-    def run(self, transport: Rendezvous | IpcTransport | str, delta: DeltaMode | None, modes: dict[str, str]) -> dict[str, float]:
+    def run(self, transport: StreamHandle, delta: DeltaMode | None, modes: dict[str, str]) -> dict[str, float]:
         """Stream every bucket of the plan to the members in their `modes` ("full" or "delta"); load seconds by name."""
-        by_contents = transport != Transport.RAY
-        self.one_group = isinstance(transport, Rendezvous)
+        kind = kind_of_handle(transport)
+        by_contents = kind.traits.by_contents
+        self.one_group = kind.traits.one_group
         buckets = len(self.plan.buckets)
         streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
                    for who, source in self.sources]

@@ -15,6 +15,7 @@ from typing import Any
 from refit.errors import ConfigError, InvalidTensorError
 from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
+from refit.transport.kinds import TransportKind, transport_kind
 
 __all__ = ["Delta", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
@@ -153,7 +154,12 @@ class SyncConfig:
         which such a sync does not make.
         """
         return (self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER and self.verify is not Verify.OFF
-                and self.transport in (Transport.RAY, Transport.COLLECTIVE))
+                and self.transport_kind.traits.delta_base_in is not None)
+
+    @property
+    def transport_kind(self) -> TransportKind:
+        """The object that is `transport`: what the driver, the trainer and the replicas ask of it (refit/transport/kinds/)."""
+        return transport_kind(self.transport)
 
     def __post_init__(self) -> None:
         problems: list[str] = []

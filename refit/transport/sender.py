@@ -14,9 +14,10 @@ from collections.abc import Iterable, Iterator
 
 from refit.errors import TransportError
 from refit.transport.buckets import BucketContents, WireBucket
-from refit.transport.collective import BucketSender, CollectiveGroup, Rendezvous
+from refit.transport.collective import CollectiveGroup, Rendezvous
 from refit.transport.delta import DeltaMode, SenderBase
-from refit.transport.ipc import IpcSender, IpcTransport
+from refit.transport.ipc import IpcTransport
+from refit.transport.kinds import kind_of_handle
 
 __all__ = ["TransportSender"]
 
@@ -55,15 +56,4 @@ class TransportSender:
         self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str
     ) -> Iterable[WireBucket] | Iterator[BucketContents]:
         """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way."""
-        if transport == "ray":
-            return buckets
-        if isinstance(transport, IpcTransport):
-            return IpcSender(keep=transport.keep).send(buckets)
-        if not isinstance(transport, Rendezvous):
-            raise TransportError(f"transport={transport!r}: expected 'ray', an IpcTransport or a collective group's Rendezvous")
-        if self.group_id() != transport.group_id:
-            raise TransportError(
-                f"asked to send over collective group {transport.group_id}, but this trainer is in "
-                f"{self.group_id() or 'no group'}; the sync joins it first (join_transport)"
-            )
-        return BucketSender(self._group).send(buckets)
+        return kind_of_handle(transport).send(buckets, transport, self._group)
