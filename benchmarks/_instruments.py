@@ -80,11 +80,11 @@ def stages_start(actor: Any) -> None:
     """Wrap the stage functions of whichever side `actor` is (a trainer has `model`, a rollout `replica`)."""
     clock = actor._bench_stages = StageClock()
     if hasattr(actor, "replica"):
-        import refit.engine.replica as replica_module
         import refit.plan.data_path as data_path
+        import refit.transport.kinds.ray as ray_transport
         from refit.transport.delta import ReplicaBase
 
-        clock.wrap(replica_module, "fetch_parts", "fetch")
+        clock.wrap(ray_transport, "fetch_parts", "fetch")
         clock.wrap(data_path, "_check_tags", "verify")
         clock.wrap(ReplicaBase, "rebuild", "keep base / rebuild delta")
         clock.wrap(actor.replica.workers, "load", "load")
