@@ -1,27 +1,13 @@
-"""What the trainer actors measure about their own streams: time spent producing, and private memory."""
+"""What the trainer actors measure about their own streams: private memory (the time is `TrainerWeights`'s)."""
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-__all__ = ["private_rss_bytes", "timed"]
+__all__ = ["private_rss_bytes"]
 
 T = TypeVar("T")
-
-
-def timed(items: Iterator[T], add_seconds: Callable[[float], None]) -> Iterator[T]:
-    """Yield `items`, reporting the time spent producing each one (not the time the consumer holds it)."""
-    while True:
-        start = time.perf_counter()
-        item = next(items, None)
-        add_seconds(time.perf_counter() - start)
-        if item is None:
-            return
-        yield item
-        del item  # not held while the next item is made (a bucket buffer each)
 
 
 def private_rss_bytes() -> int:

@@ -14,21 +14,20 @@ from collections.abc import Iterator, Sequence
 import ray
 import torch
 
-from actors._measure import timed
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.data_path import produce_buckets
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
-from refit.transport.buckets import BucketContents, WireBucket
-from refit.transport.collective import Rendezvous
-from refit.transport.sender import TransportSender
+from refit.source_methods import TrainerWeights, delegate_to_weights
+from refit.transport.buckets import WireBucket
 from refit.verification.probe import prompt_logprobs
 
 __all__ = ["TrainerActor"]
 
 
 @ray.remote
+@delegate_to_weights
 class TrainerActor:
     def __init__(self, model_dir: str, *, lr: float = 1e-3, seed: int = 0, reinitialize: bool = False) -> None:
         """Load a causal LM (bf16) from `model_dir`; `reinitialize` re-draws its weights from `seed`."""
@@ -42,46 +41,21 @@ class TrainerActor:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.model = self.model.to(torch.bfloat16)
         self._init_training(lr)
-        self._stream_seconds = 0.0
-        self._transport = TransportSender()
+        self.weights = TrainerWeights(self._metadata, self._produce)
 
-    # -- weight source protocol ------------------------------------------------
-    def weight_metadata(self) -> list[TensorMeta]:
+    # -- weight source protocol: `weight_metadata`, `stream_buckets` and the optional methods come from
+    # `self.weights` (refit/source_methods.py); the model's forward pass is this class's own.
+    def _metadata(self) -> list[TensorMeta]:
         return CheckpointView(self.model).metadata()
 
-    def stream_buckets(
-        self, plan: TransferPlan, transport: Rendezvous | str = "ray", delta: str = "off"
-    ) -> Iterator[WireBucket | BucketContents]:
-        self._stream_seconds = 0.0
+    def _produce(self, plan: TransferPlan) -> Iterator[WireBucket]:
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
-        buckets = self._transport.encode(produce_buckets(plan, CheckpointView(self.model).tensor), delta)
-        yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport)
-
-    def base_entries(self) -> list[tuple]:
-        """What the last stream sent, for delta syncs (optional in the protocol: without it every sync is full)."""
-        return self._transport.base_entries()
-
-    def join_transport(self, rendezvous: Rendezvous, rank: int) -> None:
-        """Join a sync's collective group as its sender (optional in the protocol: `transport="collective"` needs it)."""
-        self._transport.join(rendezvous, rank)
-
-    def leave_transport(self) -> None:
-        self._transport.leave()
-
-    def transport_group(self) -> str | None:
-        return self._transport.group_id()
-
-    def _add_stream_seconds(self, seconds: float) -> None:
-        self._stream_seconds += seconds
+        return produce_buckets(plan, CheckpointView(self.model).tensor)
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per prompt, the logprob of each token after the first (the logprob probe's reference)."""
         return prompt_logprobs(self.model, prompts)
-
-    def last_stream_seconds(self) -> float:
-        """Time spent checking, quantizing and packing in the last stream (optional in the protocol)."""
-        return self._stream_seconds
 
     # -- training ----------------------------------------------------------------
     # Mixed precision as FSDP2 does it: the optimizer updates fp32 master

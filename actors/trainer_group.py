@@ -17,50 +17,27 @@ whose `ranks` lists them.
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import ray
 import torch
 
-from actors._logging import show_refit_logs
-from actors._measure import private_rss_bytes, timed
+from actors._ranks import RankProcess, on_every_rank, start_ranks
 from refit.errors import ConfigError
 from refit.import_heap import collector_paused, freeze_import_heap
-from refit.orchestration.calls import is_actor, wait_until_started
-from refit.plan.tensors import TensorMeta
-from refit.plan.transfer_plan import TransferPlan
-from refit.sharding.process_group import free_port, init_trainer_group
+from refit.sharding.process_group import init_trainer_group
 from refit.sharding.rank_source import RankSource
-from refit.transport.buckets import BucketContents, WireBucket
-from refit.transport.collective import Rendezvous
-from refit.transport.sender import TransportSender
+from refit.source_methods import delegate_to_weights
 from refit.verification.probe import prompt_logprobs
 
 __all__ = ["TrainerGroup", "TrainerRank"]
 
-_RSS_SAMPLE_PERIOD_S = 0.002
-
 
 @ray.remote
-class TrainerRank:
+@delegate_to_weights
+class TrainerRank(RankProcess):
     """One rank of a `TrainerGroup`; all its model methods are collectives over the group."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        show_refit_logs()
-        self.rank, self.world_size = rank, world_size
-        self._stream_seconds = 0.0
-        self._peak_bytes = 0
-        self._transport = TransportSender()
-
-    def position(self) -> tuple[int, int]:
-        """(rank, world_size) as constructed: a group checks them before the rank joins it."""
-        return self.rank, self.world_size
-
-    def rendezvous(self) -> tuple[str, int]:
-        """Where the group meets: this node's address and a free port on it (asked of rank 0)."""
-        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, address: str, port: int, model_dir: str, *, lr: float, seed: int, reinitialize: bool,
               timeout_s: float) -> None:
@@ -95,61 +72,10 @@ class TrainerRank:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         self.source = RankSource(model, wire_dtype=torch.bfloat16)
 
-    # -- weight source protocol (per rank) --------------------------------------------------------------------------
-    def weight_metadata(self) -> list[TensorMeta]:
-        return self.source.view.metadata()
-
-    def stream_buckets(
-        self, plan: TransferPlan, transport: Rendezvous | str = "ray", delta: str = "off"
-    ) -> Iterator[WireBucket | BucketContents]:
-        """This rank's part of every bucket; records the stream's seconds and its peak private memory growth.
-
-        Over `collective` this rank broadcasts its parts on its own channel of the group. With `delta`,
-        this rank diffs its own rows against the rows it sent last.
-        """
-        self._stream_seconds = 0.0
-        baseline = private_rss_bytes()
-        self._peak_bytes = 0
-        stop = threading.Event()
-        sampler = threading.Thread(target=self._sample_rss, args=(baseline, stop), daemon=True)
-        sampler.start()
-        try:
-            buckets = self._transport.encode(self.source.stream(plan), delta)
-            yield from self._transport.send(timed(buckets, self._add_stream_seconds), transport)
-        finally:
-            stop.set()
-            sampler.join()
-
-    def base_entries(self) -> list[tuple]:
-        """The rows this rank sent last, for delta syncs."""
-        return self._transport.base_entries()
-
-    def join_transport(self, rendezvous: Rendezvous, member: int) -> None:
-        """Join a sync's collective group as sending member `member` (this rank's channel)."""
-        self._transport.join(rendezvous, member)
-
-    def leave_transport(self) -> None:
-        self._transport.leave()
-
-    def transport_group(self) -> str | None:
-        return self._transport.group_id()
-
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """The logprob probe's reference (a collective: every rank runs the forward pass)."""
         return prompt_logprobs(self.model, prompts)
-
-    def _add_stream_seconds(self, seconds: float) -> None:
-        self._stream_seconds += seconds
-
-    def last_stream_seconds(self) -> float:
-        return self._stream_seconds
-
-    def last_stream_stats(self) -> dict[str, int]:
-        """In the last stream: bytes this rank all-gathered, its peak private memory above the stream's start,
-        the tensors it sent per route, and the bytes of its shards."""
-        return {"gathered_bytes": self.source.gathered_bytes, "peak_bytes": self._peak_bytes, **self.source.sent,
-                "shard_bytes": self.source.shard_bytes()}
 
     # -- training (collectives) ----------------------------------------------------------------------------------------
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
@@ -180,27 +106,6 @@ class TrainerRank:
             state = {name: value.to(torch.bfloat16) if value.is_floating_point() else value for name, value in state.items()}
             self.model.save_pretrained(directory, state_dict=state)
 
-    def leave_group(self) -> None:
-        """Leave every group this rank is in and drop its model, so that this process can join another group.
-
-        torch keeps one default group per process: a rank that is to set up
-        again (a new group, after its peers were replaced) must destroy the old
-        one first. Its collectives' peers may be gone; destroying the group
-        needs none of them. A sync's collective transport group goes too, and
-        with it the delta base: those rows were this rank's share of the old
-        model, so the first sync from the new group is a full one.
-        """
-        transport, self._transport = self._transport, TransportSender()
-        transport.leave()
-        for attribute in ("model", "optimizer", "source"):
-            self.__dict__.pop(attribute, None)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    def _sample_rss(self, baseline: int, stop: threading.Event) -> None:
-        while not stop.wait(_RSS_SAMPLE_PERIOD_S):
-            self._peak_bytes = max(self._peak_bytes, private_rss_bytes() - baseline)
-
 
 class TrainerGroup:
     """`world_size` `TrainerRank`s holding one FSDP2-sharded model; pass it to `refit.Syncer` as the trainer.
@@ -217,25 +122,8 @@ class TrainerGroup:
                  reinitialize: bool = False, resources: Sequence[dict[str, float]] | None = None,
                  ranks: Sequence[ray.actor.ActorHandle] | None = None,
                  timeout_s: float = 120.0, startup_timeout_s: float = 1800.0) -> None:
-        if world_size < 1:
-            raise ConfigError(f"world_size={world_size}: a trainer group needs at least one rank")
-        if resources is not None and len(resources) != world_size:
-            raise ConfigError(f"resources: {len(resources)} entries for {world_size} ranks")
-        if ranks is not None and resources is not None:
-            raise ConfigError("resources place the ranks a group starts; ranks passed in are placed already: give one of them")
-        if ranks is not None and len(ranks) != world_size:
-            raise ConfigError(f"ranks: {len(ranks)} actors for world_size={world_size}")
-        for r, rank in enumerate(ranks or ()):
-            if not is_actor(rank):
-                raise ConfigError(f"ranks[{r}] is {rank!r}, not an actor handle: pass TrainerRank.remote({r}, {world_size})")
         self.timeout_s = timeout_s
-        self.ranks = list(ranks) if ranks is not None else [
-            TrainerRank.options(num_cpus=0, resources=(resources or [{}] * world_size)[r]).remote(r, world_size)
-            for r in range(world_size)
-        ]
-        wait_until_started([(f"trainer rank {r}", rank) for r, rank in enumerate(self.ranks)], timeout_s=startup_timeout_s)
-        if ranks is not None:
-            self._check_positions()
+        self.ranks = start_ranks(TrainerRank, world_size, resources, ranks, startup_timeout_s, timeout_s)
         address, port = ray.get(self.ranks[0].rendezvous.remote(), timeout=timeout_s)
         self._all("setup", address, port, str(model_dir), lr=lr, seed=seed, reinitialize=reinitialize, timeout_s=timeout_s,
                   deadline_s=startup_timeout_s)
@@ -262,15 +150,6 @@ class TrainerGroup:
         for rank in self.ranks:
             ray.kill(rank)
 
-    def _check_positions(self) -> None:
-        """Each rank passed in was constructed as the rank of this group its place in `ranks` says."""
-        positions = ray.get([rank.position.remote() for rank in self.ranks], timeout=self.timeout_s)
-        for r, (rank, world_size) in enumerate(positions):
-            if (rank, world_size) != (r, len(self.ranks)):
-                raise ConfigError(f"ranks[{r}] was constructed as rank {rank} of {world_size}: this group needs rank {r} "
-                                  f"of {len(self.ranks)} there (TrainerRank.remote({r}, {len(self.ranks)}))")
-
     def _all(self, method: str, *args, deadline_s: float | None = None, **kwargs):
         """Call a collective on every rank; rank 0's result."""
-        calls = [getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks]
-        return ray.get(calls, timeout=deadline_s or self.timeout_s)[0]
+        return on_every_rank(self.ranks, method, *args, deadline_s=deadline_s or self.timeout_s, **kwargs)[0]

@@ -16,7 +16,8 @@ The decision, per planned tensor, from the row ranges every rank reported:
   trainer, every slice starts and ends on a block boundary (or at the last
   row). Each of those ranks sends its own rows.
 - `GATHER`: anything else (slices that split an FP8 block, column shards).
-  Every rank joins one all-gather and one owner quantizes and sends it.
+  The ranks holding parts of it join one all-gather (FSDP2: every rank)
+  and one of them, the owner, quantizes and sends it.
 
 Senders for `WHOLE` and `GATHER` are chosen greedily, in plan order, as the
 eligible rank that has been given the fewest bytes so far, so the work and
@@ -71,8 +72,9 @@ def route_tensors(plan: TransferPlan, held: Sequence[Mapping[str, RowRange | Non
             routes[tensor.target] = TensorRoute(Route.ROWS, tuple(slices), slices)
             for rank, (start, stop) in slices.items():
                 sent[rank] += nbytes * (stop - start) // rows
-        else:
-            routes[tensor.target] = _owned(Route.GATHER, range(len(held)), rows, nbytes, sent)
+        else:  # owned by a rank holding part of it: only those join its gather where the layout limits it (megatron)
+            holders = [rank for rank, ranges in enumerate(held) if tensor.target in ranges]
+            routes[tensor.target] = _owned(Route.GATHER, holders or range(len(held)), rows, nbytes, sent)
     return routes
 
 

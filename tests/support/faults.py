@@ -51,10 +51,10 @@ def kill_mid_stream(victim, *, after_buckets: int = 3, within_s: float = 300) ->
 
 
 def die_at(rank, method: str, call: int) -> None:
-    """Run in a `TrainerRank` (`run_in`): its process exits at its `call`-th call of its source's `method`, a crash at a chosen point."""
+    """Run in a `TrainerRank` (`run_in`): its process exits at its `call`-th call of its layout's `method`, a crash at a chosen point."""
     import os
 
-    original, calls = getattr(rank.source, method), [0]
+    original, calls = getattr(rank.source.layout, method), [0]
 
     def dying(*args, **kwargs):
         calls[0] += 1
@@ -62,7 +62,7 @@ def die_at(rank, method: str, call: int) -> None:
             os._exit(1)
         return original(*args, **kwargs)
 
-    setattr(rank.source, method, dying)
+    setattr(rank.source.layout, method, dying)
 
 
 def die_when_joining(trainer) -> None:
@@ -72,7 +72,7 @@ def die_when_joining(trainer) -> None:
     def dying(*args, **kwargs):
         os._exit(1)
 
-    trainer._transport.join = dying
+    trainer.weights.sender.join = dying
 
 
 def tamper_next_stream(trainer, how: str, bucket: int = 0) -> None:
@@ -85,12 +85,14 @@ def tamper_next_stream(trainer, how: str, bucket: int = 0) -> None:
     with the sync's own key, so only the receiver's plan checks can refuse it. Later streams are honest.
     """
     import dataclasses
+    import inspect
 
     from refit.transport.buckets import WireBucket, element_view
     from refit.transport.integrity import new_sync_key, tag
 
-    # The globals its `stream_buckets` reads: Ray ships an actor class by value, with globals of its own.
-    namespace = type(trainer).stream_buckets.__globals__
+    # The globals its `_produce` reads (under Ray's tracing wrapper): Ray ships an actor class by value, with globals
+    # of its own.
+    namespace = inspect.unwrap(type(trainer)._produce).__globals__
     honest = namespace["produce_buckets"]
 
     def altered(packed: WireBucket, key: bytes) -> WireBucket:

@@ -88,9 +88,9 @@ def test_fsdp2_group_sync_equals_a_single_process_sync_and_tracks_training(repli
 
 
 @pytest.mark.parametrize(("transport", "method", "call", "where"), [
-    ("ray", "_gathered", 2, "rank 0 is gathering k/v from it"),
-    ("ray", "_rows", 3, "the driver awaits its part; rank 0's part still arrives"),
-    ("collective", "_rows", 3, "every replica's workers are receiving its broadcast"),
+    ("ray", "gathered", 2, "rank 0 is gathering k/v from it"),
+    ("ray", "rows", 3, "the driver awaits its part; rank 0's part still arrives"),
+    ("collective", "rows", 3, "every replica's workers are receiving its broadcast"),
 ])
 def test_a_rank_that_dies_mid_sync_is_named_whichever_symptom_arrives_first(replicas, actors_factory, transport, method, call,
                                                                           where):

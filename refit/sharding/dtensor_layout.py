@@ -1,0 +1,126 @@
+"""FSDP2's layout: parameters that are `DTensor`s sharded by rows on a 1-D mesh (`Shard(0)`), replicated, or plain.
+
+A checkpoint tensor is found inside its parameter through `CheckpointView`
+(a fused MoE parameter holds many); a rank can send the rows of it that lie
+in its shard, and anything held some other way is all-gathered by every
+rank of the mesh (`DTensor.full_tensor`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from refit.errors import InvalidTensorError
+from refit.plan.checkpoint_format import CheckpointView
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import TransferPlan
+from refit.quantizer.fp8_block import is_finite
+from refit.sharding.layout import ABSENT
+from refit.sharding.routes import RowRange
+
+__all__ = ["DTensorLayout"]
+
+
+class DTensorLayout:
+    """`RankLayout` of a model whose parameters are row-sharded DTensors (FSDP2), replicated, or plain."""
+
+    def __init__(self, model: torch.nn.Module, *, wire_dtype: torch.dtype | None = None) -> None:
+        """`wire_dtype`: send floating-point weights in this dtype (bf16 from fp32 master weights); each
+        rank casts its own rows, and all-gathers are made in it (half the bytes of fp32)."""
+        self.model = model
+        self.view = CheckpointView(model, wire_dtype=wire_dtype)
+
+    def metadata(self) -> list[TensorMeta]:
+        return self.view.metadata()
+
+    def held(self, name: str) -> RowRange | None | object:
+        _, extent = self._extent(name)
+        if extent.shard is None or not extent.row_major:
+            return None
+        rows = extent.shape[0] if extent.shape else 1
+        lo, hi = max(extent.offset, extent.shard[0]), min(extent.offset + rows * extent.row_numel, extent.shard[1])
+        if lo >= hi:
+            return ABSENT
+        if (lo - extent.offset) % extent.row_numel or (hi - extent.offset) % extent.row_numel:
+            return None
+        return ((lo - extent.offset) // extent.row_numel, (hi - extent.offset) // extent.row_numel)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        param, extent = self._extent(name)
+        flat = _local(param).detach().reshape(-1)
+        begin = extent.offset + start * extent.row_numel - extent.shard[0]
+        rows = flat[begin : begin + (stop - start) * extent.row_numel].view(stop - start, *extent.shape[1:])
+        return rows.to(self.view.wire_dtype(param))  # no copy unless the wire dtype differs
+
+    def joins_gather(self, name: str) -> bool:
+        return True  # `full_tensor` is a collective over the whole mesh
+
+    def gathered(self, name: str) -> torch.Tensor:
+        param, piece = self.view.location(name)
+        wire = param.detach().to(self.view.wire_dtype(param))  # a DTensor casts its local shard: the gather moves wire bytes
+        full = wire.full_tensor() if _is_dtensor(wire) else wire
+        return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
+
+    def check_finite(self, plan: TransferPlan, rank: int) -> None:
+        checked: set[int] = set()  # parameters, by id: a fused one stands for many planned tensors
+        for planned in plan.tensors:
+            param, _ = self.view.location(planned.source)
+            if id(param) in checked:
+                continue
+            checked.add(id(param))
+            if not is_finite(_local(param).detach()):
+                raise InvalidTensorError(f"refusing to send any weight: {planned.source} holds NaN or Inf on rank {rank}")
+
+    def shard_bytes(self) -> int:
+        return sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+
+    def _extent(self, name: str) -> tuple[torch.Tensor, _Extent]:
+        """Checkpoint tensor `name`'s parameter, and where the tensor and this rank's shard lie in it (flat elements)."""
+        param, piece = self.view.location(name)
+        shape, offset = (tuple(piece.shape), piece.offset) if piece else (tuple(param.shape), 0)
+        local = _local_rows(param)
+        param_row = math.prod(param.shape[1:])
+        shard = None if local is None else (local[0] * param_row, local[1] * param_row)
+        return param, _Extent(shape, offset, max(math.prod(shape[1:]), 1), shard,
+                              piece is None or tuple(piece.stride) == torch.empty(shape, device="meta").stride())
+
+
+class _Extent(NamedTuple):
+    """A checkpoint tensor inside its parameter, in the parameter's flat element order."""
+
+    shape: tuple[int, ...]
+    offset: int  # of its first element
+    row_numel: int  # elements per row of the tensor
+    shard: tuple[int, int] | None  # [first, last) element of this rank's shard; None: not held as whole rows
+    row_major: bool  # its rows lie one after another (so a run of the parameter's elements is a run of its rows)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if _is_dtensor(param) else param
+
+
+def _local_rows(param: torch.Tensor) -> RowRange | None:
+    """The rows of `param` this rank holds, or None if it holds it some other way than whole rows."""
+    rows = param.shape[0] if param.dim() else 1
+    if not _is_dtensor(param):
+        return (0, rows)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if param.device_mesh.ndim != 1:
+        return None
+    placement = param.placements[0]
+    if placement.is_replicate():
+        return (0, rows)
+    if not (placement.is_shard() and placement.dim == 0):
+        return None
+    local_shape, global_offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return (global_offset[0], global_offset[0] + local_shape[0])

@@ -1,0 +1,54 @@
+"""What `RankSource` asks of a rank's model, whatever parallelism laid it out.
+
+A layout answers, for a checkpoint tensor (by the plan's `source` name):
+which of its rows this rank can send as they are, those rows, and the whole
+tensor by a collective among the ranks that hold parts of it. FSDP2's
+row-sharded DTensors (`refit.sharding.dtensor_layout`) and megatron-core's
+tensor, pipeline and expert parallel layers (`refit.sharding.megatron`) are
+the two layouts; `RankSource` streams either the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import TransferPlan
+from refit.sharding.routes import RowRange
+
+__all__ = ["ABSENT", "RankLayout"]
+
+ABSENT = object()
+"""`RankLayout.held`'s answer for a tensor of which this rank holds nothing (or nothing it should send)."""
+
+
+class RankLayout(Protocol):
+    def metadata(self) -> list[TensorMeta]:
+        """The checkpoint tensors this rank holds (part of), with global shapes and the wire dtype."""
+        ...
+
+    def held(self, name: str) -> RowRange | None | object:
+        """The rows of `name` this rank can send without a collective; None: it holds part, not as rows; `ABSENT`."""
+        ...
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows `[start, stop)` of `name`, in the wire dtype (rows this rank holds)."""
+        ...
+
+    def joins_gather(self, name: str) -> bool:
+        """Whether this rank takes part in `gathered(name)` (every rank calls it in plan order)."""
+        ...
+
+    def gathered(self, name: str) -> torch.Tensor:
+        """`name` whole, in the wire dtype: a collective among the ranks that `joins_gather` it."""
+        ...
+
+    def check_finite(self, plan: TransferPlan, rank: int) -> None:
+        """Raise `InvalidTensorError` naming the first planned tensor whose local values hold NaN or Inf."""
+        ...
+
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's own parameters."""
+        ...

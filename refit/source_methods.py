@@ -1,0 +1,114 @@
+"""A weight source's methods, made once: what any trainer process answers a sync with.
+
+Why: the Syncer calls up to seven methods on a trainer (`refit.protocols.
+SOURCE_METHODS`): its metadata, the stream (through every transport, with
+deltas), the collective group's join and leave, what it last sent. All but
+the model's own forward pass are the same whatever the model is; only where
+the tensors come from differs. A trainer actor holds one `TrainerWeights`
+made from two functions of its model (the metadata, and a plan's buckets),
+and `@delegate_to_weights` adds every source method the actor class does
+not define as a call on it. `actors.TrainerActor`, the FSDP2 ranks and the
+Megatron ranks are three such actors; a user's Megatron or FSDP2 rank is a
+fourth (docs/sharded.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import TransferPlan
+from refit.protocols import SOURCE_METHODS, FullWeightSource
+from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.collective import Rendezvous
+from refit.transport.sender import TransportSender
+
+__all__ = ["TrainerWeights", "delegate_to_weights"]
+
+_C = TypeVar("_C", bound=type)
+_T = TypeVar("_T")
+
+
+class TrainerWeights:
+    """The source methods of one trainer process, over `metadata()` and `produce(plan)` (its buckets, or its parts)."""
+
+    def __init__(self, metadata: Callable[[], list[TensorMeta]], produce: Callable[[TransferPlan], Iterator[WireBucket]]) -> None:
+        self._metadata = metadata
+        self._produce = produce
+        self.sender = TransportSender()
+        self._stream_seconds = 0.0
+
+    def weight_metadata(self) -> list[TensorMeta]:
+        return self._metadata()
+
+    def stream_buckets(self, plan: TransferPlan, transport: Rendezvous | str = "ray",
+                       delta: str = "off") -> Iterator[WireBucket | BucketContents]:
+        """The plan's buckets (deltas where `delta` says), carried by `transport`; times the producing."""
+        self._stream_seconds = 0.0
+        buckets = self.sender.encode(self._produce(plan), delta)
+        yield from self.sender.send(_timed(buckets, self._add_stream_seconds), transport)
+
+    def base_entries(self) -> list[tuple]:
+        return self.sender.base_entries()
+
+    def join_transport(self, rendezvous: Rendezvous, rank: int) -> None:
+        self.sender.join(rendezvous, rank)
+
+    def leave_transport(self) -> None:
+        self.sender.leave()
+
+    def transport_group(self) -> str | None:
+        return self.sender.group_id()
+
+    def last_stream_seconds(self) -> float:
+        return self._stream_seconds
+
+    def close(self) -> None:
+        """Leave any collective group and forget the delta base (the model these weights came from is gone)."""
+        sender, self.sender = self.sender, TransportSender()
+        sender.leave()
+
+    def _add_stream_seconds(self, seconds: float) -> None:
+        self._stream_seconds += seconds
+
+
+def delegate_to_weights(cls: _C) -> _C:
+    """A class decorator: every method of `SOURCE_METHODS` that `cls` lacks, as the same call on `self.weights`.
+
+    `reference_logprobs` runs the model, so only the class can define it. Each method made takes the protocol's
+    signature and docstring (Ray and `refit.protocols.accepts` read them); `stream_buckets` stays a generator
+    (Ray streams its buckets).
+    """
+    for name in SOURCE_METHODS:
+        if not hasattr(cls, name) and hasattr(TrainerWeights, name):
+            setattr(cls, name, _delegation(cls, name))
+    return cls
+
+
+def _delegation(cls: type, name: str) -> Callable[..., Any]:
+    if name == "stream_buckets":
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            yield from self.weights.stream_buckets(*args, **kwargs)
+    else:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.weights, name)(*args, **kwargs)
+    declared = getattr(FullWeightSource, name)
+    method.__name__, method.__qualname__ = name, f"{cls.__qualname__}.{name}"
+    method.__module__, method.__doc__ = cls.__module__, declared.__doc__
+    method.__signature__ = inspect.signature(getattr(TrainerWeights, name))  # type: ignore[attr-defined]
+    return method
+
+
+def _timed(items: Iterator[_T], add_seconds: Callable[[float], None]) -> Iterator[_T]:
+    """Yield `items`, reporting the time spent producing each one (not the time the consumer holds it)."""
+    while True:
+        start = time.perf_counter()
+        item = next(items, None)
+        add_seconds(time.perf_counter() - start)
+        if item is None:
+            return
+        yield item
+        del item  # not held while the next item is made (a bucket buffer each)
