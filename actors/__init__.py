@@ -2,7 +2,7 @@
 
 All are ordinary Ray actors an RL framework can create itself; `refit.Syncer`
 relies only on the methods of `refit.protocols.WeightSource` (a trainer, or
-each rank of a `TrainerGroup`) and `refit.protocols.RolloutReplica`.
+each rank of a `TrainerGroup` or a `MegatronGroup`) and `refit.protocols.RolloutReplica`.
 """
 
 from refit.import_heap import collector_paused
@@ -11,9 +11,13 @@ from refit.import_heap import collector_paused
 # collector's passes, which cost a quarter of the imports' CPU (refit/import_heap.py).
 with collector_paused():
     from actors.async_rollout import AsyncRolloutActor
+    from actors.megatron_group import MegatronGroup, MegatronParallel, MegatronRank
     from actors.rollout import RolloutActor
     from actors.server_rollout import ServerRollout
     from actors.trainer import TrainerActor
     from actors.trainer_group import TrainerGroup, TrainerRank
 
-__all__ = ["AsyncRolloutActor", "RolloutActor", "ServerRollout", "TrainerActor", "TrainerGroup", "TrainerRank"]
+__all__ = [
+    "AsyncRolloutActor", "MegatronGroup", "MegatronParallel", "MegatronRank", "RolloutActor", "ServerRollout", "TrainerActor",
+    "TrainerGroup", "TrainerRank",
+]

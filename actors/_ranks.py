@@ -41,7 +41,7 @@ class RankProcess:
         show_refit_logs()
         self.rank, self.world_size = rank, world_size
         self._peak_bytes = 0
-        self.weights = TrainerWeights(self._metadata, self._produce)
+        self.weights = TrainerWeights(self._metadata, self._produce, self._stream_stats)
 
     def position(self) -> tuple[int, int]:
         """(rank, world_size) as constructed: a group checks them before the rank joins it."""
@@ -51,9 +51,11 @@ class RankProcess:
         """Where the group meets: this node's address and a free port on it (asked of rank 0)."""
         return ray.util.get_node_ip_address(), free_port()
 
-    def last_stream_stats(self) -> dict[str, int]:
+    def _stream_stats(self) -> dict[str, int]:
         """In the last stream: bytes this rank all-gathered, its peak private memory above the stream's start,
-        the tensors it sent per route, and the bytes of its shards."""
+        the tensors it sent per route, and the bytes of its shards (with its seconds: `last_stream_stats`)."""
+        if "source" not in self.__dict__:
+            return {}  # no model (yet, or any more)
         return {"gathered_bytes": self.source.gathered_bytes, "peak_bytes": self._peak_bytes, **self.source.sent,
                 "shard_bytes": self.source.shard_bytes()}
 

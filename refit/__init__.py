@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
     from refit.protocols import FullRolloutReplica, FullWeightSource, RolloutReplica, ShardedWeightSource, WeightSource
     from refit.provenance import KvScalePolicy, ScaleRecord, ScaleSource
     from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme, quantize_fp8_block
+    from refit.source_methods import TrainerWeights, delegate_to_weights
     from refit.transport.buckets import WireBucket
 
 _LAZY = {
@@ -108,6 +109,8 @@ _LAZY = {
     "FinishedUpdate": "refit.engine.lifecycle",
     "Phase": "refit.engine.lifecycle",
     "WeightSource": "refit.protocols",
+    "TrainerWeights": "refit.source_methods",
+    "delegate_to_weights": "refit.source_methods",
     "RolloutReplica": "refit.protocols",
     "ShardedWeightSource": "refit.protocols",
     "FullWeightSource": "refit.protocols",

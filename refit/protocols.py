@@ -169,8 +169,9 @@ class FullWeightSource(WeightSource, Protocol):
         ...
 
     @optional()
-    def last_stream_seconds(self) -> float:
-        """Seconds the last stream spent checking, quantizing and packing (the sync report's trainer time)."""
+    def last_stream_stats(self) -> dict[str, float]:
+        """What the last stream cost: "seconds" spent checking, quantizing and packing (the sync report's trainer
+        time) and, from a rank of a sharded trainer, "gathered_bytes" it received from all-gathers."""
         ...
 
 

@@ -35,9 +35,12 @@ _T = TypeVar("_T")
 class TrainerWeights:
     """The source methods of one trainer process, over `metadata()` and `produce(plan)` (its buckets, or its parts)."""
 
-    def __init__(self, metadata: Callable[[], list[TensorMeta]], produce: Callable[[TransferPlan], Iterator[WireBucket]]) -> None:
+    def __init__(self, metadata: Callable[[], list[TensorMeta]], produce: Callable[[TransferPlan], Iterator[WireBucket]],
+                 stats: Callable[[], dict[str, float]] | None = None) -> None:
+        """`stats`: what else the last stream cost, beside its seconds (a rank's gathered bytes, say)."""
         self._metadata = metadata
         self._produce = produce
+        self._stats = stats
         self.sender = TransportSender()
         self._stream_seconds = 0.0
 
@@ -63,8 +66,8 @@ class TrainerWeights:
     def transport_group(self) -> str | None:
         return self.sender.group_id()
 
-    def last_stream_seconds(self) -> float:
-        return self._stream_seconds
+    def last_stream_stats(self) -> dict[str, float]:
+        return {"seconds": self._stream_seconds, **(self._stats() if self._stats is not None else {})}
 
     def close(self) -> None:
         """Leave any collective group and forget the delta base (the model these weights came from is gone)."""

@@ -159,6 +159,14 @@ class ActorFactory:
             ranks = [self.lend(self.pool.rank(node, _on_node(node), r, world_size)) for r, node in enumerate(nodes)]
         return TrainerGroup(model_dir, world_size, ranks=ranks, **kwargs)
 
+    def megatron_group(self, model_dir, parallel, *, nodes: tuple[int, ...], **kwargs):
+        """A `MegatronGroup` with rank r on node `nodes[r]`, started for this test (Megatron's process groups are
+        its processes' for life: ranks are not pooled)."""
+        from actors import MegatronGroup, MegatronRank
+
+        ranks = [self.keep(MegatronRank.options(**_on_node(node)).remote(r, len(nodes))) for r, node in enumerate(nodes)]
+        return MegatronGroup(model_dir, len(nodes), parallel, ranks=ranks, **kwargs)
+
     def keep(self, actor):
         self.created.append(actor)
         return actor

@@ -52,6 +52,7 @@ class SyncReport:
     dropped: tuple[DroppedReplica, ...] = ()  # replicas lost during the sync; `replicas` are the ones that serve it
     attempts: int = 1  # more than one: the survivors began again (a replica lost mid-broadcast, or a delta base that failed)
     digest: str | None = None  # of the version the trainer sent (its entries' keyed integrity tags, combined), with delta syncs on
+    gathered_bytes: int | None = None  # what a sharded trainer's ranks all-gathered to send what they could not send as held
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +65,8 @@ class SyncReport:
             + (f"waited {self.startup_seconds:.3f} s for actors to start, " if self.startup_seconds else "")
             + f"plan {self.plan_seconds:.3f} s, begin {self.begin_seconds:.3f} s, "
             f"stream {self.stream_seconds:.3f} s, finish {self.finish_seconds:.3f} s"
-            + (f"; trainer busy {self.trainer_seconds:.3f} s)" if self.trainer_seconds is not None else ")")
+            + (f"; trainer busy {self.trainer_seconds:.3f} s" if self.trainer_seconds is not None else "")
+            + (f", its ranks gathered {self.gathered_bytes / 2**20:.2f} MiB" if self.gathered_bytes else "") + ")"
         ]
         lines += [
             f"  replica {r.replica} on {r.node_id[:8]}: load {r.load_seconds:.3f} s, finish {r.finish_seconds:.3f} s, "

@@ -52,7 +52,7 @@ def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str,
         buckets=len(plan.buckets),
         bytes_on_wire=plan.wire_bytes,
         plan_seconds=plan_seconds,
-        trainer_seconds=_trainer_seconds(sources, config.timeout_s),
+        **_trainer_stats(sources, config.timeout_s),
         total_seconds=time.perf_counter() - start,
         replicas=tuple(
             ReplicaReport(replica_id(who), nodes[who], done.version, done.load_seconds.get(who, 0.0), f.seconds,
@@ -75,9 +75,15 @@ def _node_ids(members: list[tuple[str, Any]], timeout_s: float) -> dict[str, str
     return {o.who: o.value if o.ok else "" for o in call_all(members, "node_id", timeout_s=timeout_s)}
 
 
-def _trainer_seconds(sources: list[tuple[str, Any]], timeout_s: float) -> float | None:
-    """The slowest rank's producing time. Optional in the protocol: custom trainers may not time themselves."""
-    if not all(has_method(source, "last_stream_seconds") for _, source in sources):
-        return None
-    outcomes = call_all(sources, "last_stream_seconds", timeout_s=timeout_s)
-    return max(o.value for o in outcomes) if all(o.ok for o in outcomes) else None
+def _trainer_stats(sources: list[tuple[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """The slowest rank's producing time and the bytes all ranks gathered. Optional in the protocol: custom trainers
+    may not measure themselves (then None)."""
+    unknown = {"trainer_seconds": None, "gathered_bytes": None}
+    if not all(has_method(source, "last_stream_stats") for _, source in sources):
+        return unknown
+    outcomes = call_all(sources, "last_stream_stats", timeout_s=timeout_s)
+    if not all(o.ok and isinstance(o.value, dict) and "seconds" in o.value for o in outcomes):
+        return unknown
+    gathered = [o.value.get("gathered_bytes") for o in outcomes]
+    return {"trainer_seconds": max(float(o.value["seconds"]) for o in outcomes),
+            "gathered_bytes": None if None in gathered else int(sum(gathered))}

@@ -7,6 +7,7 @@ them.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -214,3 +215,37 @@ def kept_vllm_warnings(rollout, also: str) -> list[str]:
     handler = rollout.__dict__.pop("kept_vllm_warnings")
     logging.getLogger("vllm").removeHandler(handler)
     return list(handler.messages)
+
+
+def engine_state(rollout) -> dict[str, str]:
+    """Run in a `RolloutActor`: a hash of every parameter of its engine's model (FP8 codes and scales included)."""
+
+    def hashes(worker) -> dict[str, str]:
+        model = worker.model_runner.model
+        return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                for name, p in model.named_parameters()}
+
+    return rollout.engine.llm.collective_rpc(hashes)[0]
+
+
+def change_trainer(trainer, names: list[str], change) -> None:
+    """Run in a `TrainerActor`: the change `MegatronGroup.apply` makes, on the same checkpoint tensors."""
+    from refit.plan.checkpoint_format import CheckpointView
+
+    view = CheckpointView(trainer.model)
+    with torch.no_grad():
+        for name in names:
+            tensor = view.tensor(name)
+            tensor.copy_(change(tensor))
+
+
+def nudge(values: torch.Tensor) -> torch.Tensor:
+    """An elementwise change every layout makes alike: about 1% of each value, in the values' own dtype."""
+    return (values.float() * 1.0078125 + 2.0**-9).to(values.dtype)
+
+
+def change_megatron(rank, names: list[str], change) -> int:
+    """Run in any Megatron rank actor holding `source` (a `megatron_source`): `change` on its parts of `names`."""
+    from refit.sharding.megatron import change_checkpoint_tensors
+
+    return change_checkpoint_tensors(rank.source.layout, names, change)

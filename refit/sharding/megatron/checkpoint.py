@@ -1,0 +1,65 @@
+"""A Hugging Face checkpoint written into a megatron-core rank's parameters, through the same slots a sync reads.
+
+Why it lives beside the layout: a job that starts its Megatron model from a
+Hugging Face checkpoint, and refit's own Megatron ranks, must put every row
+where the sync will look for it; one mapping (`mapping.slots_of`) serves both
+directions, so a model loaded here and streamed back is the checkpoint again.
+Padding rows of the vocabulary are zeroed; a tied output layer on the last
+pipeline stage gets the embedding's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from refit.errors import PlanMismatchError
+from refit.sharding.megatron.layout import MegatronLayout
+
+__all__ = ["change_checkpoint_tensors", "load_hf_checkpoint"]
+
+
+@torch.no_grad()
+def load_hf_checkpoint(layout: MegatronLayout, model_dir: str | Path) -> None:
+    """Fill every parameter of `layout`'s model from the safetensors files in `model_dir`; refuses a missing tensor
+    or a shape that differs, naming it, before anything is written."""
+    from safetensors import safe_open
+
+    from refit.sharding.megatron.layout import megatron_slots
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            where.update({name: file for name in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+    slots = megatron_slots(layout.model, layout.dims, layout.place)
+    problems = [f"{slot.target}: not in {model_dir}" for _, _, slot in slots if slot.target not in where]
+    if problems:
+        raise PlanMismatchError("cannot load the checkpoint into the megatron model:\n  " + "\n  ".join(problems))
+    for name, param in layout.model.named_parameters():
+        if "word_embeddings" in name or "output_layer" in name:
+            param.zero_()  # the padding rows past the checkpoint's vocabulary
+    for _, param, slot in slots:
+        with safe_open(where[slot.target], "pt") as f:
+            full = f.get_tensor(slot.target)
+        if tuple(full.shape) != slot.shape:
+            raise PlanMismatchError(f"{slot.target}: shape {tuple(full.shape)} in {model_dir}, {slot.shape} in the megatron model")
+        slot.write(param, full.narrow(slot.dim, slot.start, slot.stop - slot.start).to(param.dtype))
+
+
+@torch.no_grad()
+def change_checkpoint_tensors(layout: MegatronLayout, names: Iterable[str], change: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """`change` (elementwise: it sees one part at a time) applied in place to this rank's parts of the checkpoint
+    tensors `names`, tied copies included; how many parts changed. How a test or a CPU job without Megatron's
+    forward pass updates weights the same way a trainer holding the checkpoint's layout would."""
+    from refit.sharding.megatron.layout import megatron_slots
+
+    wanted, changed = set(names), 0
+    for _, param, slot in megatron_slots(layout.model, layout.dims, layout.place):
+        if slot.target in wanted:
+            for view in slot.views(param):
+                view.copy_(change(view))
+            changed += 1
+    return changed

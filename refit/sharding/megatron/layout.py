@@ -1,0 +1,159 @@
+"""A megatron-core `GPTModel` rank as a `RankLayout`: its parameters read through the mapping's slots.
+
+Which rank sends what: ranks of one tensor-parallel group hold parts of the
+same checkpoint tensors; pipeline stages hold different layers; data-parallel
+replicas hold the same parts, and only the first replica (data-parallel rank
+0; for experts, expert-data-parallel rank 0) reports them, so every part has
+one sender. Parts a rank cannot send as rows (a row-parallel layer's columns,
+rows that split an FP8 block) are all-gathered over the tensor-parallel (or
+expert-tensor-parallel) group that holds them, never over the whole job.
+
+megatron-core is imported here only, and only when a layout is made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refit.errors import ConfigError, InvalidTensorError
+from refit.plan.tensors import TensorMeta
+from refit.plan.transfer_plan import TransferPlan
+from refit.quantizer.fp8_block import is_finite
+from refit.sharding.layout import ABSENT
+from refit.sharding.megatron.mapping import MegatronDims, RankPlace, Slot, slots_of
+from refit.sharding.routes import RowRange
+
+__all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "unwrap"]
+
+# What the checkpoint's model calls each kind of module (the FP8 scheme's targets match these class names).
+_MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module"), "embedding": ("Embedding", "Module")}
+
+
+class MegatronLayout:
+    """`RankLayout` of one megatron-core rank; `vocab_size` is the checkpoint's (Megatron pads its own)."""
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int, wire_dtype: torch.dtype = torch.bfloat16,
+                 shared_expert_prefix: str = "mlp.shared_expert") -> None:
+        from megatron.core import parallel_state
+
+        self.model = unwrap(model)
+        self.wire_dtype = wire_dtype
+        self.dims = megatron_dims(self.model, vocab_size, shared_expert_prefix)
+        self.place = RankPlace(
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            ep_size=parallel_state.get_expert_model_parallel_world_size(),
+            etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+            etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+        self._groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
+                        "etp": parallel_state.get_expert_tensor_parallel_group()}
+        first_replica = {False: parallel_state.get_data_parallel_rank() == 0,
+                         True: parallel_state.get_expert_data_parallel_rank() == 0}
+        self._sends: dict[str, tuple[torch.Tensor, Slot]] = {}
+        for name, param, slot in megatron_slots(self.model, self.dims, self.place):
+            if slot.sends and first_replica[".mlp.experts." in f".{name}"]:
+                self._sends[slot.target] = (param, slot)
+
+    def metadata(self) -> list[TensorMeta]:
+        return [TensorMeta(slot.target, slot.shape, self._dtype(param), _MODULE_CLASSES[slot.kind])
+                for param, slot in self._sends.values()]
+
+    def held(self, name: str) -> RowRange | None | object:
+        if name not in self._sends:
+            return ABSENT
+        _, slot = self._sends[name]
+        if slot.dim == 0:
+            return (slot.start, slot.stop)
+        return (0, slot.shape[0]) if slot.stop - slot.start == slot.shape[1] else None  # all columns: whole
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        param, slot = self._sends[name]
+        first = slot.start if slot.dim == 0 else 0
+        return self._part(param, slot).narrow(0, start - first, stop - start)
+
+    def joins_gather(self, name: str) -> bool:
+        return name in self._sends
+
+    def gathered(self, name: str) -> torch.Tensor:
+        """`name` whole: every holder's part, padded to the longest for gloo's and NCCL's equal-sized all-gather."""
+        param, slot = self._sends[name]
+        part = self._part(param, slot).contiguous()
+        if slot.group is None:
+            return part  # held whole here (only reached for a tensor the routes gather from one rank)
+        group = self._groups[slot.group]
+        size = torch.distributed.get_world_size(group)
+        spans = [torch.zeros(2, dtype=torch.int64, device=part.device) for _ in range(size)]
+        torch.distributed.all_gather(spans, torch.tensor([slot.start, slot.stop], device=part.device), group=group)
+        longest = max(int(stop - start) for start, stop in spans)
+        padded = torch.zeros(*[longest if d == slot.dim else n for d, n in enumerate(part.shape)], dtype=part.dtype,
+                             device=part.device)
+        padded.narrow(slot.dim, 0, part.shape[slot.dim]).copy_(part)
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        torch.distributed.all_gather(parts, padded, group=group)
+        whole = torch.empty(slot.shape, dtype=part.dtype, device=part.device)
+        for (start, stop), got in zip([(int(s), int(e)) for s, e in spans], parts):
+            whole.narrow(slot.dim, start, stop - start).copy_(got.narrow(slot.dim, 0, stop - start))
+        return whole
+
+    def check_finite(self, plan: TransferPlan, rank: int) -> None:
+        checked: set[int] = set()
+        for planned in plan.tensors:
+            if planned.source not in self._sends:
+                continue
+            param, slot = self._sends[planned.source]
+            if id(param) not in checked and not is_finite(param.detach()):
+                raise InvalidTensorError(f"refusing to send any weight: {planned.source} holds NaN or Inf on rank {rank} "
+                                         f"(in its megatron parameter of shape {tuple(param.shape)})")
+            checked.add(id(param))
+
+    def shard_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _part(self, param: torch.Tensor, slot: Slot) -> torch.Tensor:
+        part = slot.read(param.detach())
+        return part.to(self._wire(param))
+
+    def _wire(self, param: torch.Tensor) -> torch.dtype:
+        return self.wire_dtype if param.is_floating_point() else param.dtype
+
+    def _dtype(self, param: torch.Tensor) -> str:
+        return str(self._wire(param)).removeprefix("torch.")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The `GPTModel` inside Megatron's wrappers (DistributedDataParallel, Float16Module: each keeps it as `.module`)."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "decoder") or not hasattr(model, "config"):
+        raise ConfigError(f"{type(model).__name__} is not a megatron-core GPTModel (or a wrapper of one): it has no decoder")
+    return model
+
+
+def megatron_dims(model: torch.nn.Module, vocab_size: int, shared_expert_prefix: str = "mlp.shared_expert") -> MegatronDims:
+    """The global sizes of an (unwrapped) `GPTModel`, from its `TransformerConfig`."""
+    config = model.config
+    if not config.gated_linear_unit:
+        raise ConfigError("refit maps megatron MLPs with a gated linear unit (gate_proj/up_proj); this model has none")
+    padded = int(getattr(model, "vocab_size", vocab_size))
+    if vocab_size > padded:
+        raise ConfigError(f"vocab_size={vocab_size} is larger than the megatron model's vocabulary ({padded})")
+    return MegatronDims(
+        hidden=config.hidden_size, heads=config.num_attention_heads,
+        query_groups=config.num_query_groups or config.num_attention_heads, head_dim=config.kv_channels,
+        ffn=config.ffn_hidden_size, vocab=vocab_size, padded_vocab=padded,
+        tied=bool(getattr(model, "share_embeddings_and_output_weights", False)),
+        num_experts=config.num_moe_experts or 0, moe_ffn=config.moe_ffn_hidden_size or 0,
+        shared_ffn=config.moe_shared_expert_intermediate_size or 0, shared_expert_prefix=shared_expert_prefix,
+    )
+
+
+def megatron_slots(model: torch.nn.Module, dims: MegatronDims, place: RankPlace) -> list[tuple[str, torch.Tensor, Slot]]:
+    """(megatron name, parameter, slot) for every part of a checkpoint tensor this rank's model holds."""
+    layers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    found = []
+    for name, param in model.named_parameters():
+        for slot in slots_of(name, tuple(param.shape), dims, place, layers.__getitem__):
+            found.append((name, param, slot))
+    return found

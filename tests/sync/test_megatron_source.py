@@ -1,0 +1,118 @@
+"""megatron-core ranks (gloo, one Ray actor per rank) as the trainer: every layout syncs the FP8 replica into
+exactly the state a single-process `TrainerActor` of the same checkpoint leaves it in.
+
+Each case: the `TrainerActor` syncs first (the reference: the engine's
+parameters, FP8 codes and scales, hashed, and greedy tokens with their
+logprobs), then the Megatron group syncs the same checkpoint into the same
+replica; then both change the same tensors the same way (in their own
+layouts) and sync again, the Megatron group with a delta. Megatron's forward
+pass needs CUDA in megatron-core 0.16, so the change is an elementwise
+function of the weights rather than an optimizer step.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+import refit
+from actors import MegatronGroup, MegatronParallel
+from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, model_dir
+from tests.support.actors import change_megatron, change_trainer, engine_state, nudge, run_in
+from tests.support.checkpoints import write_variant
+
+FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
+CONFIG = refit.SyncConfig(bucket_bytes=256 << 10)
+
+
+def served(replica, prompts):
+    out = ray.get(replica.generate.remote(prompts, NEW_TOKENS, prompt_logprobs=True))
+    return out.token_ids, out.logprobs, [row[1:] for row in out.prompt_logprobs]
+
+
+def assert_megatron_syncs_like_a_trainer(actors_factory, bf16_dir, fp8_dir, parallel, nodes, changed, vocab=512, group=None):
+    prompts = [[t % vocab for t in p] for p in make_prompts(8, PROMPT_LEN, seed=47)]
+    trainer = actors_factory.trainer(bf16_dir, node=0)
+    group = group or actors_factory.megatron_group(bf16_dir, parallel, nodes=nodes)
+    replica = actors_factory.rollout(fp8_dir, node=2, **FP8_DUMMY)
+    reference, megatron = refit.Syncer(trainer, [replica], CONFIG), refit.Syncer(group, [replica], CONFIG)
+
+    reference.sync()
+    expected = run_in(replica, engine_state), served(replica, prompts)
+    first = megatron.sync()
+    assert (run_in(replica, engine_state), served(replica, prompts)) == expected
+    assert first.replicas[0].mode == "full"
+
+    if isinstance(group, MegatronGroup):
+        assert group.apply(changed, nudge) > 0
+    else:  # a job's own ranks
+        assert sum(run_in(rank, change_megatron, changed, nudge) for rank in group.ranks) > 0
+    run_in(trainer, change_trainer, changed, nudge)
+    second = megatron.sync()  # the replica's base is the group's first version: a delta of what changed
+    got = run_in(replica, engine_state), served(replica, prompts)
+    reference.sync()
+    assert got == (run_in(replica, engine_state), served(replica, prompts))
+    assert second.replicas[0].mode == "delta"
+    assert second.replicas[0].bytes_received < 0.6 * first.replicas[0].bytes_received
+    return group, first
+
+
+def test_dense_qwen3_at_tp2(actors_factory):
+    group, first = assert_megatron_syncs_like_a_trainer(
+        actors_factory, model_dir(False, "bf16"), model_dir(False, "fp8_block"), MegatronParallel(tp=2), (0, 1),
+        ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+         "model.norm.weight"])
+    stats = group.stream_stats()
+    # q, gate, up (128-row blocks per rank) quantized where they lie; k and v (64 rows per rank) and the row-parallel
+    # o and down (column shards) gathered over the tensor-parallel group.
+    assert [s["quantized_rows"] for s in stats] == [6, 6]
+    assert sum(s["gather"] for s in stats) == 8
+    # Each rank joins every gather of its group (k, v, o, down of 2 layers; bf16); the first sync's report adds them up.
+    per_rank = 2 * (128 * 256 + 128 * 256 + 256 * 256 + 256 * 512) * 2
+    assert first.gathered_bytes == 2 * per_rank
+
+
+def test_llama_with_tied_embeddings_at_tp2_from_a_jobs_own_rank_actors(actors_factory):
+    """The ranks are the job's own actors (tests/support/own_megatron.py), made sources with one call each."""
+    from refit.sharding.process_group import free_port
+    from tests.support.own_megatron import OwnMegatronRank
+
+    bf16 = model_dir(True, "bf16", arch="llama")
+    port = free_port()
+    ranks = [actors_factory.keep(OwnMegatronRank.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        r, 2, "127.0.0.1", port, str(bf16), 2)) for r in range(2)]
+    job = SimpleNamespace(ranks=ranks)  # what refit.Syncer needs of a sharded trainer
+    assert_megatron_syncs_like_a_trainer(
+        actors_factory, bf16, model_dir(True, "fp8_block", arch="llama"), None, (0, 1),
+        ["model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight"], group=job)
+
+
+def test_tp2_by_uneven_pp2_with_a_vocabulary_tp_does_not_divide(actors_factory, tmp_path):
+    """Four ranks; three layers, two on the first stage; 509 tokens, padded to 512 by Megatron (never sent)."""
+    bf16, fp8 = write_variant(model_dir(False, "bf16"), tmp_path, seed=3, num_hidden_layers=3, vocab_size=509)
+    assert_megatron_syncs_like_a_trainer(
+        actors_factory, bf16, fp8, MegatronParallel(tp=2, pp=2, first_stage_layers=2, vocab_multiple=64), (0, 1, 0, 1),
+        ["model.layers.2.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight"], vocab=509)
+
+
+def test_mqa_over_two_pipeline_stages(actors_factory, tmp_path):
+    """One query group (MQA): megatron-core cannot split it over tensor-parallel ranks, so two stages instead.
+    Heads of 128 dimensions: vLLM's FP8_BLOCK linears need k and v rows in whole 128-row blocks."""
+    bf16, fp8 = write_variant(model_dir(False, "bf16"), tmp_path, seed=4, num_key_value_heads=1, num_attention_heads=2,
+                              head_dim=128)
+    assert_megatron_syncs_like_a_trainer(actors_factory, bf16, fp8, MegatronParallel(pp=2), (0, 1),
+                                         ["model.layers.1.self_attn.v_proj.weight"])
+
+
+@pytest.mark.parametrize("parallel, nodes", [(MegatronParallel(ep=2), (0, 1)),
+                                             (MegatronParallel(tp=2, ep=2, etp=2), (0, 1, 0, 1))],
+                         ids=["ep2", "tp2-ep2-etp2"])
+def test_qwen3_moe_over_expert_parallel_ranks(actors_factory, parallel, nodes):
+    _, first = assert_megatron_syncs_like_a_trainer(
+        actors_factory, model_dir(False, "bf16", arch="qwen3_moe"), model_dir(False, "fp8_block", arch="qwen3_moe"),
+        parallel, nodes, ["model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.gate.weight"])
+    # Each expert lies whole on one EP rank, each dense layer on both (one data-parallel replica sends): nothing is
+    # gathered but, with TP, what tensor-parallel ranks split.
+    assert (first.gathered_bytes == 0) == (parallel.tp == 1 and parallel.etp == 1)
