@@ -116,3 +116,29 @@ def test_qwen3_moe_over_expert_parallel_ranks(actors_factory, parallel, nodes):
     # Each expert lies whole on one EP rank, each dense layer on both (one data-parallel replica sends): nothing is
     # gathered but, with TP, what tensor-parallel ranks split.
     assert (first.gathered_bytes == 0) == (parallel.tp == 1 and parallel.etp == 1)
+
+
+def test_a_megatron_rank_that_dies_in_a_gather_is_named_and_the_replica_is_never_half_served(actors_factory):
+    from refit.engine import Phase
+    from tests.support.faults import die_at
+
+    group = actors_factory.megatron_group(model_dir(False, "bf16"), MegatronParallel(tp=2), nodes=(0, 1), timeout_s=20)
+    replica = actors_factory.rollout(model_dir(False, "fp8_block"), node=2, **FP8_DUMMY)
+    config = refit.SyncConfig(bucket_bytes=32 << 10, max_buckets_in_flight=1, timeout_s=20)
+    refit.sync(group, [replica], config)
+    version = ray.get(replica.status.remote(), timeout=30).served_version
+    run_in(group.ranks[1], die_at, "gathered", 2)  # rank 0 is waiting for it in the tensor-parallel all-gather
+    with pytest.raises(refit.ActorDiedError, match=r"^trainer rank 1 died or is unreachable"):
+        refit.sync(group, [replica], config)
+    status = ray.get(replica.status.remote(), timeout=30)
+    # Its old version whole, or (buckets of the new one loaded) refusing until the next sync: never a mix.
+    assert status.phase in (Phase.SERVING, Phase.REFUSING) and status.served_version == version
+
+
+def test_a_megatron_model_of_another_shape_is_refused_naming_the_tensor(actors_factory, tmp_path):
+    bf16, _ = write_variant(model_dir(False, "bf16"), tmp_path, seed=5, intermediate_size=384)
+    group = actors_factory.megatron_group(bf16, MegatronParallel(tp=2), nodes=(0, 1))
+    replica = actors_factory.rollout(model_dir(False, "fp8_block"), node=2, **FP8_DUMMY)
+    with pytest.raises(refit.PlanMismatchError, match=r"model.layers.0.mlp.gate_proj.weight: shape \(384, 256\) from the "
+                                                      r"trainer, \(512, 256\) in the rollout's model"):
+        refit.sync(group, [replica])
