@@ -10,6 +10,7 @@ policy-gradient step, and greedy generation as a reference.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import ray
 import torch
@@ -18,7 +19,7 @@ from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.data_path import produce_buckets
 from refit.plan.tensors import TensorMeta
-from refit.plan.transfer_plan import TransferPlan
+from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan
 from refit.source_methods import TrainerWeights, delegate_to_weights
 from refit.transport.buckets import WireBucket
 from refit.verification.probe import prompt_logprobs
@@ -29,8 +30,13 @@ __all__ = ["TrainerActor"]
 @ray.remote
 @delegate_to_weights
 class TrainerActor:
-    def __init__(self, model_dir: str, *, lr: float = 1e-3, seed: int = 0, reinitialize: bool = False) -> None:
-        """Load a causal LM (bf16) from `model_dir`; `reinitialize` re-draws its weights from `seed`."""
+    def __init__(self, model_dir: str, *, lr: float = 1e-3, seed: int = 0, reinitialize: bool = False,
+                 draft_dir: str | None = None) -> None:
+        """Load a causal LM (bf16) from `model_dir`; `reinitialize` re-draws its weights from `seed`.
+
+        `draft_dir`: a speculative draft model trained beside the policy (each `train_step` trains it on the same
+        sequences); its tensors are reported as `draft.` + their checkpoint names, which syncs send to the
+        replicas' draft models (docs/draft.md)."""
         with collector_paused():
             from transformers import AutoConfig, AutoModelForCausalLM
         freeze_import_heap()
@@ -40,17 +46,29 @@ class TrainerActor:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.model = self.model.to(torch.bfloat16)
+        self.draft = None if draft_dir is None else AutoModelForCausalLM.from_pretrained(draft_dir).to(torch.bfloat16)
         self._init_training(lr)
         self.weights = TrainerWeights(self._metadata, self._produce)
 
     # -- weight source protocol: `weight_metadata`, `stream_buckets` and the optional methods come from
     # `self.weights` (refit/source_methods.py); the model's forward pass is this class's own.
     def _metadata(self) -> list[TensorMeta]:
-        return CheckpointView(self.model).metadata()
+        metas = CheckpointView(self.model).metadata()
+        if self.draft is not None:
+            metas += [replace(m, name=DRAFT_PREFIX + m.name, alias_of=m.alias_of and DRAFT_PREFIX + m.alias_of,
+                              piece_of=m.piece_of and DRAFT_PREFIX + m.piece_of)
+                      for m in CheckpointView(self.draft).metadata()]
+        return metas
 
     def _produce(self, plan: TransferPlan) -> Iterator[WireBucket]:
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
-        return produce_buckets(plan, CheckpointView(self.model).tensor)
+        policy = CheckpointView(self.model).tensor
+        draft = None if self.draft is None else CheckpointView(self.draft).tensor
+
+        def tensor(name: str) -> torch.Tensor:
+            return draft(name.removeprefix(DRAFT_PREFIX)) if draft and name.startswith(DRAFT_PREFIX) else policy(name)
+
+        return produce_buckets(plan, tensor)
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -63,15 +81,22 @@ class TrainerActor:
     # see) is a copy of them. An AdamW on bf16 weights would drop every update
     # smaller than half a bf16 ulp, and the dropped part would never accumulate.
     def _init_training(self, lr: float) -> None:
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        models = [self.model] + ([self.draft] if self.draft is not None else [])
+        self._params = [p for model in models for p in model.parameters() if p.requires_grad]
         self._master = [p.detach().float().clone().requires_grad_(True) for p in self._params]
         self.optimizer = torch.optim.AdamW(self._master, lr=lr)
 
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
-        """One next-token-prediction step on `sequences`; returns the loss."""
+        """One next-token-prediction step on `sequences` (the policy's, and the draft's if there is one); returns
+        the policy's loss."""
         ids = torch.tensor(sequences)
         self.model.train()
-        return self._step(self.model(input_ids=ids, labels=ids).loss)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        if self.draft is None:
+            return self._step(loss)
+        self.draft.train()
+        self._step(loss + self.draft(input_ids=ids, labels=ids).loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def completion_logprobs(self, sequences: Sequence[Sequence[int]], prompt_len: int) -> list[list[float]]:

@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type che
     from refit.plan import (
         CheckpointView,
         Delta,
+        Draft,
         Pause,
         QuantizeOn,
         RolloutModelInfo,
@@ -86,6 +87,7 @@ _LAZY = {
     "Transport": "refit.plan",
     "Pause": "refit.plan",
     "Delta": "refit.plan",
+    "Draft": "refit.plan",
     "Verify": "refit.plan",
     "SyncReport": "refit.orchestration",
     "TensorMeta": "refit.plan",

@@ -266,6 +266,9 @@ class AsyncLLMAdapter:
     def reset_prefix_cache(self) -> None:
         self._run(self.llm.reset_prefix_cache())
 
+    def spec_decode_counts(self) -> tuple[int, int] | None:
+        return None  # AsyncLLM keeps its counters in its stat loggers, which refit does not read yet (docs/draft.md)
+
     def mark_version(self, version: int) -> None:
         pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted
 

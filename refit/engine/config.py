@@ -61,6 +61,13 @@ class EngineConfig:
     """Fraction of the device's memory the engine may use (vLLM's `gpu_memory_utilization`).
     None: vLLM's default (0.92) on a GPU; unused on a CPU, where `kv_cache_bytes` sizes the cache."""
 
+    draft_model: str | None = None
+    """Local checkpoint of a speculative draft model (vLLM's `method="draft_model"`), loaded like `model`
+    (`load_format` too); syncs update it with the target (`SyncConfig.draft`, docs/draft.md)."""
+
+    num_speculative_tokens: int = 2
+    """Tokens the draft proposes per step, when there is a draft."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Any other `vllm.LLM` keyword."""
 
@@ -70,7 +77,9 @@ class EngineConfig:
             problems.append(f"model={self.model!r}: expected the path of a local checkpoint directory")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             problems.append(f"load_format={self.load_format!r}: expected 'auto', 'dummy' or 'safetensors'")
-        for name in ("max_model_len", "tensor_parallel_size"):
+        if self.draft_model is not None and (not isinstance(self.draft_model, (str, Path)) or not str(self.draft_model)):
+            problems.append(f"draft_model={self.draft_model!r}: expected the path of a local checkpoint directory or None")
+        for name in ("max_model_len", "tensor_parallel_size", "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r}: expected a positive int")
@@ -82,9 +91,9 @@ class EngineConfig:
             isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1
         ):
             problems.append(f"memory_fraction={self.memory_fraction!r}: expected a number in (0, 1] or None")
-        reserved = sorted(set(_SET_BY_REFIT + ("gpu_memory_utilization",)) & set(self.extra))
+        reserved = sorted(set(_SET_BY_REFIT + ("gpu_memory_utilization", "speculative_config")) & set(self.extra))
         if reserved:
-            problems.append(f"extra sets {reserved}: refit sets these (use kv_cache_bytes / memory_fraction)")
+            problems.append(f"extra sets {reserved}: refit sets these (use kv_cache_bytes / memory_fraction / draft_model)")
         if problems:
             raise ConfigError("invalid EngineConfig:\n  " + "\n  ".join(problems))
 
@@ -95,13 +104,16 @@ class EngineConfig:
         cluster without shared storage the checkpoint exists only on the
         rollout nodes, not on the driver's.
         """
-        model = Path(str(self.model))
-        if not (model / "config.json").is_file():
-            what = "does not exist" if not model.exists() else "has no config.json"
-            raise ConfigError(
-                f"invalid EngineConfig: model={str(self.model)!r} {what} on this node: "
-                "refit starts engines from a local checkpoint directory"
-            )
+        for setting, value in (("model", self.model), ("draft_model", self.draft_model)):
+            if value is None:
+                continue
+            model = Path(str(value))
+            if not (model / "config.json").is_file():
+                what = "does not exist" if not model.exists() else "has no config.json"
+                raise ConfigError(
+                    f"invalid EngineConfig: {setting}={str(value)!r} {what} on this node: "
+                    "refit starts engines from a local checkpoint directory"
+                )
 
     @property
     def initial_refusal(self) -> str | None:
@@ -136,8 +148,17 @@ class EngineConfig:
             "skip_tokenizer_init": True,
             **engine_kwargs(on_gpu=on_gpu, kv_cache_bytes=self.kv_cache_bytes),
             **({"gpu_memory_utilization": self.memory_fraction} if self.memory_fraction is not None else {}),
+            **self._speculative(),
             **self.extra,
         }
+
+    def _speculative(self) -> dict[str, Any]:
+        """A draft model's speculative config, with the engine's stats on (the draft's acceptance is read from them)."""
+        if self.draft_model is None:
+            return {}
+        return {"speculative_config": {"method": "draft_model", "model": str(self.draft_model),
+                                       "num_speculative_tokens": self.num_speculative_tokens},
+                "disable_log_stats": False}
 
 
 def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from refit.errors import EngineError
 from refit.plan.expected_weights import ExpectedWeight
 from refit.plan.transfer_plan import RolloutModelInfo
 
-__all__ = ["EngineFacts"]
+__all__ = ["EngineFacts", "draft_model_dir"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +35,10 @@ class EngineFacts:
         """From a running engine's `VllmConfig`, so an engine the user started is described as one refit started."""
         model_dir = vllm_config.model_config.model
         dummy = str(vllm_config.load_config.load_format) == "dummy"
+        draft_dir = draft_model_dir(vllm_config)
         return cls(
-            model_info=RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy),
+            model_info=RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy).with_draft(
+                None if draft_dir is None else RolloutModelInfo.from_checkpoint(draft_dir, from_files=not dummy)),
             vocab_size=int(vllm_config.model_config.get_vocab_size()),
             workers=int(vllm_config.parallel_config.world_size),
             fp8_kv_cache=str(vllm_config.cache_config.cache_dtype).startswith("fp8"),
@@ -48,14 +50,8 @@ class EngineFacts:
 
     def to_plain(self) -> dict[str, Any]:
         """JSON-able data: what a worker of a server answers (`refit_engine_facts`)."""
-        info = self.model_info
         return {
-            "model_info": {
-                "quantization_config": info.quantization_config,
-                "tie_word_embeddings": info.tie_word_embeddings,
-                "weights": None if info.weights is None else [[w.name, list(w.shape), w.fp8_block] for w in info.weights],
-                "vocab_size": info.vocab_size,
-            },
+            "model_info": _info_to_plain(self.model_info),
             "vocab_size": self.vocab_size, "workers": self.workers, "fp8_kv_cache": self.fp8_kv_cache,
             "initial_refusal": self.initial_refusal,
         }
@@ -64,21 +60,46 @@ class EngineFacts:
     def from_plain(cls, plain: Any) -> EngineFacts:
         """The facts `to_plain` described; refuses data of any other shape (`EngineError`), naming what is wrong."""
         try:
-            info = plain["model_info"]
-            weights = info["weights"]
-            quantization = info["quantization_config"]
             refusal = plain["initial_refusal"]
             return cls(
-                model_info=RolloutModelInfo(
-                    None if quantization is None else dict(quantization),
-                    bool(info["tie_word_embeddings"]),
-                    None if weights is None else tuple(
-                        ExpectedWeight(str(name), tuple(int(n) for n in shape), bool(fp8)) for name, shape, fp8 in weights
-                    ),
-                    None if info["vocab_size"] is None else int(info["vocab_size"]),
-                ),
+                model_info=_info_from_plain(plain["model_info"]),
                 vocab_size=int(plain["vocab_size"]), workers=int(plain["workers"]),
                 fp8_kv_cache=bool(plain["fp8_kv_cache"]), initial_refusal=None if refusal is None else str(refusal),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"not an engine's facts ({type(error).__name__}: {error}); the sender is not refit's") from None
+
+
+def draft_model_dir(vllm_config: Any) -> str | None:
+    """The checkpoint of the engine's speculative draft model (`method="draft_model"`), if it has one.
+
+    MTP layers (`method="mtp"`) live inside the target's own checkpoint and model, so a sync of the target
+    covers them; EAGLE-style heads are not draft models refit knows how to name.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "method", None) != "draft_model" or spec.draft_model_config is None:
+        return None
+    return str(spec.draft_model_config.model)
+
+
+def _info_to_plain(info: RolloutModelInfo) -> dict[str, Any]:
+    return {
+        "quantization_config": info.quantization_config,
+        "tie_word_embeddings": info.tie_word_embeddings,
+        "weights": None if info.weights is None else [[w.name, list(w.shape), w.fp8_block] for w in info.weights],
+        "vocab_size": info.vocab_size,
+        "draft": None if info.draft is None else _info_to_plain(info.draft),
+    }
+
+
+def _info_from_plain(info: Any) -> RolloutModelInfo:
+    weights, quantization, draft = info["weights"], info["quantization_config"], info.get("draft")
+    return RolloutModelInfo(
+        None if quantization is None else dict(quantization),
+        bool(info["tie_word_embeddings"]),
+        None if weights is None else tuple(
+            ExpectedWeight(str(name), tuple(int(n) for n in shape), bool(fp8)) for name, shape, fp8 in weights
+        ),
+        None if info["vocab_size"] is None else int(info["vocab_size"]),
+        None if draft is None else _info_from_plain(draft),
+    )

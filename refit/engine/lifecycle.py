@@ -70,6 +70,7 @@ class FinishedUpdate:
     probe_passed: bool | None = None  # None: no probe ran
     bytes_received: int = 0  # bucket bytes this replica received: a delta sync's are a fraction of a full one's
     digest: str | None = None  # of the version served, when the replica keeps it as a delta base
+    draft_acceptance: float | None = None  # share of its draft model's tokens accepted on the probe prompts, if it has one
 
 
 @dataclass(slots=True)

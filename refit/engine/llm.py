@@ -118,6 +118,15 @@ class LLMAdapter:
     def release_requests(self, refusal: str | None = None) -> None:
         pass
 
+    def spec_decode_counts(self) -> tuple[int, int] | None:
+        """From vLLM's in-process metrics (`disable_log_stats=False`, which `EngineConfig(draft_model=...)` sets)."""
+        if self.facts.model_info.draft is None:
+            return None
+        counters = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
+        drafted = counters.get("vllm:spec_decode_num_draft_tokens")
+        accepted = counters.get("vllm:spec_decode_num_accepted_tokens")
+        return None if drafted is None or accepted is None else (int(drafted), int(accepted))
+
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
         temperature: float = 0.0, n: int = 1, seed: int | None = None,

@@ -49,7 +49,7 @@ from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.delta import ReplicaBase
 from refit.verification import ProbeRequest, refuse_partial
-from refit.verification.probe import ProbeResult, compare, thresholds_for
+from refit.verification.probe import ProbeResult, compare, probe_prompts, thresholds_for
 
 __all__ = [
     "EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation", "delegate_to_replica",
@@ -69,6 +69,10 @@ class Generation:
     token_ids: list[list[int]]
     logprobs: list[list[float]]  # of each generated token
     prompt_logprobs: list[list[float | None]] | None
+
+
+DRAFT_PROBE_TOKENS = 16
+"""Tokens generated per probe prompt to measure a draft model's acceptance after a sync."""
 
 
 class EngineAdapter(Protocol):
@@ -106,6 +110,10 @@ class EngineAdapter(Protocol):
         replica refuses). An engine whose requests pass through the core is refused by the lifecycle itself; a server,
         whose users reach it directly, must refuse them itself."""
 
+    def spec_decode_counts(self) -> tuple[int, int] | None:
+        """(draft tokens proposed, draft tokens accepted) since the engine started, or None where it has no draft
+        model or does not count them."""
+
 
 class ReplicaCore:
     def __init__(self, engine: EngineAdapter) -> None:
@@ -123,6 +131,7 @@ class ReplicaCore:
         self._base = ReplicaBase()
         self._digest: tuple[str, str] | None = None  # (transport, digest) of the served version's base
         self._workers_keep_base = False
+        self._acceptance: float | None = None  # the draft's, measured after the last sync
         self._closed = threading.Event()
         threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
 
@@ -255,6 +264,14 @@ class ReplicaCore:
                 self.engine.resume()  # the stage may generate; users' requests are still held
                 stage = "the post-refit KV-scale stage"
                 written = self._apply_kv_scales(config.kv_scales, config.calibration_prompts, version)
+                acceptance = None
+                if self.facts.model_info.draft is not None and config.verify is not Verify.OFF:
+                    stage = "measuring the draft's acceptance"
+                    acceptance, collapsed = self._draft_acceptance()
+                    if collapsed:
+                        outcome, probe_passed = f"{outcome}; {collapsed}", False
+                        if config.on_probe_breach == "fail":
+                            raise VerificationError(f"after the refit {collapsed}")
                 if probe is not None:
                     stage = "the logprob probe"
                     result = self._probe(probe)
@@ -273,8 +290,9 @@ class ReplicaCore:
             self.engine.release_requests()
             seconds = time.perf_counter() - start
             self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome,
-                         digest=digest)
-            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed, self._progress["bytes_received"], digest)
+                         digest=digest, draft_acceptance=acceptance)
+            return FinishedUpdate(seconds, tuple(written), outcome, probe_passed, self._progress["bytes_received"], digest,
+                                  acceptance)
 
     def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
         """Close `sync_id`'s update if it is open; returns the status that leaves."""
@@ -335,6 +353,25 @@ class ReplicaCore:
         written = self.workers.apply_kv_policy(policy, version, measured)
         self.engine.reset_prefix_cache()
         return written
+
+    def _draft_acceptance(self) -> tuple[float | None, str | None]:
+        """The draft model's accepted share of its proposals on the probe prompts, and why it collapsed if it did
+        (below half of what the last sync measured: a draft left behind its target, or broken by the sync).
+
+        None where the engine does not count speculative tokens (`EngineAdapter.spec_decode_counts`).
+        """
+        before = self.engine.spec_decode_counts()
+        if before is None:
+            return None, None
+        self.engine.generate(probe_prompts(self.facts.vocab_size), DRAFT_PROBE_TOKENS)
+        drafted, accepted = (a - b for a, b in zip(self.engine.spec_decode_counts(), before))
+        if drafted <= 0:
+            return None, None
+        acceptance, previous = accepted / drafted, self._acceptance
+        self._acceptance = acceptance
+        if previous is not None and acceptance < previous / 2:
+            return acceptance, f"the draft model's acceptance fell to {acceptance:.0%} from {previous:.0%}"
+        return acceptance, None
 
     def _probe(self, request: ProbeRequest) -> ProbeResult:
         """Score the probe prompts and compare with the trainer's logprobs, at this engine's precision's thresholds."""

@@ -315,6 +315,9 @@ class ServerAdapter:
         """The server's scheduler runs again, for the post-refit stage and the probe; users' requests stay held."""
         self._request("POST", "/resume")
 
+    def spec_decode_counts(self) -> tuple[int, int] | None:
+        return None  # a server's counters are in its Prometheus /metrics, which refit does not read yet (docs/draft.md)
+
     def mark_version(self, version: int) -> None:
         """The server's weight version (its `/weight_info`, its outputs' spans) becomes the sync's `version`."""
         self._request("POST", "/update_weight_version", {"new_version": str(version)})

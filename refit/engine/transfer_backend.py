@@ -57,7 +57,7 @@ try:
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
 from refit.plan.data_path import loadable_tensors
-from refit.plan.transfer_plan import TransferPlan, layer_key
+from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan, layer_key
 from refit.provenance import (
     ATTENTION_SCALES,
     AttentionAmaxRecorder,
@@ -71,7 +71,43 @@ from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvo
 from refit.transport.delta import ReplicaBase
 from refit.transport.kinds import TransportKind, transport_kind
 
-__all__ = ["RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
+__all__ = ["DraftModel", "RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
+
+
+class DraftModel:
+    """A speculative draft model updated inside the target's update: its own layerwise reload, weights and provenance.
+
+    Why inside the target's update rather than as vLLM's separate draft session (`start_draft_weight_update`): one
+    update is one version, finished or abandoned as a whole, so no draft ever serves beside another version of its
+    target, and the replica's pause, verification and lease cover both. Its reload opens when its first tensor
+    arrives, so a sync that sends no draft tensors (a frozen draft) never touches it.
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config: Any, load_format: str) -> None:
+        self.model, self.model_config = model, model_config
+        self.provenance = ScaleProvenanceTracker(model)
+        names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(model_config.model)
+        self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
+        self.reload_open = False
+        self.loaded: set[str] = set()
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load draft tensors named without the prefix; the first of an update opens the draft's reload."""
+        if not self.reload_open:
+            initialize_layerwise_reload(self.model)
+            self.reload_open, self.loaded = True, set()
+        self.loaded |= set(self.model.load_weights(tensors))
+
+    def missing(self) -> list[str]:
+        """Draft weights this update left unloaded (none if it loaded none: the draft keeps its version)."""
+        return sorted(_expected_weights(self.model) - self.loaded) if self.reload_open else []
+
+    def finalize(self, streamed: set[str], version: int | None) -> None:
+        if self.reload_open:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.reload_open = False
+            if version is not None:
+                self.provenance.record_streamed(self.loaded, streamed, version)
 
 
 @dataclass
@@ -112,9 +148,15 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
         self.base = ReplicaBase()  # the delta base, when bytes come over the collective group (refit/transport/delta.py)
         self._keep_base = False
+        self.draft: DraftModel | None = None  # the speculative draft model, once the worker attached it
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         pass
+
+    def attach_draft(self, model: torch.nn.Module | None, model_config: Any) -> None:
+        """The engine's speculative draft model (once; from the worker, which holds it)."""
+        if model is not None and self.draft is None:
+            self.draft = DraftModel(model, model_config, str(self.vllm_config.load_config.load_format))
 
     def start_weight_update(self) -> None:
         """Put every layer in loadable form; buffers incoming tensors per layer."""
@@ -126,13 +168,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._streamed = set()
         self._sent_scales: dict[str, torch.Tensor] = {}
         self._verify = False
-        # In loadable form every parameter is one `load_weights` can report,
-        # except the attention layers' own (KV-cache scales, zero points): the
-        # post-refit stage owns those, and a stream may or may not carry them.
-        attention = {name for name, module in self.model.named_modules() if is_attention_layer(module)}
-        self._expected = frozenset(
-            name for name, _ in self.model.named_parameters() if name.rpartition(".")[0] not in attention
-        )
+        self._expected = _expected_weights(self.model)
 
     # -- transports ---------------------------------------------------------------
     def join_group(self, rendezvous: Rendezvous, member: int) -> None:
@@ -180,7 +216,14 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         tensors = update_info.tensors if update_info.contents is None else self._arrived(update_info)
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
         self._streamed |= {name for name, _ in tensors}  # before loading: a load that fails half-way changed the model
-        self._loaded |= set(self.model.load_weights(tensors))
+        target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX)]
+        draft = [(name.removeprefix(DRAFT_PREFIX), tensor) for name, tensor in tensors if name.startswith(DRAFT_PREFIX)]
+        if draft and self.draft is None:
+            raise LifecycleError(f"draft tensors arrived ({draft[0][0]}, ...) but this engine has no draft model")
+        if target:
+            self._loaded |= set(self.model.load_weights(target))
+        if draft:
+            self.draft.load(draft)
         self._verify = update_info.verify
         if update_info.verify:  # scales are 1/16384 of their weights: cheap to keep until finish
             self._sent_scales |= {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")}
@@ -214,6 +257,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         `abandon` closes it and the replica refuses to serve.
         """
         missing = sorted(self._expected - self._loaded)
+        missing += [DRAFT_PREFIX + name for name in (self.draft.missing() if self.draft is not None else [])]
         if missing:
             raise EngineError(
                 f"the update left {len(missing)} of the model's {len(self._expected)} weights unloaded, "
@@ -227,6 +271,10 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
         if self._verify and current_platform.is_cpu():  # elsewhere kernels may keep scales in a layout of their own
             wrong = scale_mismatches(self.model, self.provenance, self._sent_scales)
+            if self.draft is not None:
+                sent = {name.removeprefix(DRAFT_PREFIX): t for name, t in self._sent_scales.items()
+                        if name.startswith(DRAFT_PREFIX)}
+                wrong += [DRAFT_PREFIX + w for w in scale_mismatches(self.draft.model, self.draft.provenance, sent)]
             if wrong:
                 raise VerificationError(
                     f"after the reload the engine holds weight scales that differ from what the sync sent, in "
@@ -247,9 +295,19 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
     def _finalize(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
         self._reload_open = False
+        if self.draft is not None:
+            self.draft.finalize({n.removeprefix(DRAFT_PREFIX) for n in self._streamed if n.startswith(DRAFT_PREFIX)},
+                                self._update_version)
 
     def shutdown(self) -> None:
         self.leave_group()
+
+
+def _expected_weights(model: torch.nn.Module) -> frozenset[str]:
+    """In loadable form every parameter is one `load_weights` can report, except the attention layers' own
+    (KV-cache scales, zero points): the post-refit stage owns those, and a stream may or may not carry them."""
+    attention = {name for name, module in model.named_modules() if is_attention_layer(module)}
+    return frozenset(name for name, _ in model.named_parameters() if name.rpartition(".")[0] not in attention)
 
 
 def register() -> None:

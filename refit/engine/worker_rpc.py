@@ -42,7 +42,7 @@ import torch
 from refit import errors
 from refit.errors import ConfigError, EngineError, RefitError
 from refit.plan.config import Transport
-from refit.plan.transfer_plan import TransferPlan
+from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan
 from refit.provenance import AttentionAmaxRecorder, KvScalePolicy, ScaleRecord, ScaleSource, apply_kv_scale_policy
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
@@ -65,9 +65,8 @@ class WorkerCalls:
     def start_update(self, plan: TransferPlan, transport: Transport, *, keep_base: bool = False) -> None:
         """Put every layer in loadable form; over `collective` or `ipc`, tell the workers the plan of what arrives
         and whether they keep what arrives as their delta base."""
-        self._call("start_weight_update")  # vLLM's own worker method, which calls the backend's
-        if transport_kind(transport).traits.by_contents:
-            self._call("refit_expect_plan", plan.to_plain(), str(transport), keep_base)
+        by_contents = transport_kind(transport).traits.by_contents
+        self._call("refit_start_update", plan.to_plain() if by_contents else None, str(transport), keep_base)
 
     def base_digests(self) -> list[str | None]:
         """Each worker's delta base digest (set when an update that kept one was finished)."""
@@ -177,6 +176,18 @@ class RefitWorkerExtension:
     def refit_leave_group(self) -> None:
         self._refit().leave_group()
 
+    def refit_start_update(self, plan: dict[str, Any] | None, transport: str, keep_base: bool = False) -> None:
+        """Open an update (vLLM's `start_weight_update`, which calls the backend's) with the engine's draft model
+        attached, so that `draft.` tensors load into it; over `collective` or `ipc`, with the `plan` of what arrives."""
+        backend = self._refit()
+        runner = self.model_runner
+        draft = runner.get_draft_model() if hasattr(runner, "get_draft_model") else None
+        spec = getattr(self, "speculative_config", None)
+        backend.attach_draft(draft, getattr(spec, "draft_model_config", None))
+        self.start_weight_update()
+        if plan is not None:
+            self.refit_expect_plan(plan, transport, keep_base)
+
     def refit_expect_plan(self, plan: dict[str, Any], transport: str, keep_base: bool = False) -> None:
         """The open update's plan, as `TransferPlan.to_plain` data (refused, naming why, if it is not one)."""
         self._refit().expect_plan(TransferPlan.from_plain(plan), transport, keep_base=keep_base)
@@ -191,7 +202,11 @@ class RefitWorkerExtension:
         return self._refit().streamed()
 
     def refit_scale_records(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self._refit().provenance.records()]
+        backend = self._refit()
+        records = [asdict(r) for r in backend.provenance.records()]
+        if backend.draft is not None:
+            records += [asdict(r) | {"module": DRAFT_PREFIX + r.module} for r in backend.draft.provenance.records()]
+        return records
 
     def refit_start_amax(self) -> None:
         backend = self._refit()
@@ -203,9 +218,16 @@ class RefitWorkerExtension:
         return [(module, scale, value) for (module, scale), value in amax.items()]
 
     def refit_apply_kv_policy(self, policy: str, version: int, measured: AmaxRows | None) -> list[str]:
+        """The post-refit stage on the target, and on the draft model if there is one (which measures nothing of its
+        own: under "recompute" its placeholders are reset as under "auto"); the draft's scales are named `draft.`."""
         backend = self._refit()
         amax = {(module, scale): value for module, scale, value in measured} if measured else None
-        return apply_kv_scale_policy(backend.model, backend.provenance, KvScalePolicy(policy), version, amax)
+        written = apply_kv_scale_policy(backend.model, backend.provenance, KvScalePolicy(policy), version, amax)
+        if backend.draft is not None:
+            draft_policy = KvScalePolicy.AUTO if KvScalePolicy(policy) is KvScalePolicy.RECOMPUTE else KvScalePolicy(policy)
+            written += [DRAFT_PREFIX + name for name in
+                        apply_kv_scale_policy(backend.draft.model, backend.draft.provenance, draft_policy, version, None)]
+        return written
 
 
 _PROCESS_STARTED = time.time()  # when this module was first imported in this process
@@ -213,9 +235,9 @@ _PROCESS_STARTED = time.time()  # when this module was first imported in this pr
 
 SERVER_METHODS = frozenset({
     # vLLM's own worker methods, which call refit's weight-transfer backend (WorkerCalls)
-    "start_weight_update", "update_weights", "finish_weight_update",
+    "update_weights", "finish_weight_update",
     # refit's (RefitWorkerExtension), each one WorkerCalls or the server adapter calls
-    "refit_engine_facts", "refit_boot_id", "refit_expect_plan", "refit_base_digest", "refit_drop_base",
+    "refit_engine_facts", "refit_boot_id", "refit_start_update", "refit_base_digest", "refit_drop_base",
     "refit_streamed", "refit_abandon_update", "refit_apply_kv_policy", "refit_start_amax", "refit_stop_amax",
     "refit_join_group", "refit_leave_group", "refit_scale_records",
 })

@@ -19,6 +19,7 @@ class ReplicaReport:
     mode: str = "full"  # "delta": it got only what changed since the version it served
     bytes_received: int = 0  # bucket bytes it received
     digest: str | None = None  # of the version it serves, when it keeps that version as a delta base
+    draft_acceptance: float | None = None  # its draft model's accepted share of drafted tokens after the sync, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class SyncReport:
             f"  replica {r.replica} on {r.node_id[:8]}: load {r.load_seconds:.3f} s, finish {r.finish_seconds:.3f} s, "
             f"serves v{r.served_version} ({r.mode}, {r.bytes_received / 2**20:.2f} MiB received), "
             f"{len(r.kv_scales_written)} KV scales written"
+            + (f", draft acceptance {r.draft_acceptance:.0%}" if r.draft_acceptance is not None else "")
             + (f"; verified: {r.verification}" if r.verification else "")
             for r in self.replicas
         ]

@@ -56,7 +56,8 @@ def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str,
         total_seconds=time.perf_counter() - start,
         replicas=tuple(
             ReplicaReport(replica_id(who), nodes[who], done.version, done.load_seconds.get(who, 0.0), f.seconds,
-                          f.kv_scales_written, f.verification, done.modes.get(who, "full"), f.bytes_received, f.digest)
+                          f.kv_scales_written, f.verification, done.modes.get(who, "full"), f.bytes_received, f.digest,
+                          f.draft_acceptance)
             for who, f in done.finished.items()
         ),
         begin_seconds=stages["begin"],

@@ -1,6 +1,6 @@
 """What every part of a sync agrees on: the trainer, the driver and each replica import it; it imports none of them.
 
-- `config`: `SyncConfig` and its enums (`Transport`, `Pause`, `Verify`, `QuantizeOn`, `Delta`), validated once.
+- `config`: `SyncConfig` and its enums (`Transport`, `Pause`, `Verify`, `QuantizeOn`, `Delta`, `Draft`), validated once.
 - `tensors`: `TensorMeta`, a trainer tensor described without its data.
 - `checkpoint_format`: a trainer's model under the rollout checkpoint's names and shapes (transformers' save conversion).
 - `expected_weights`: what the rollout's model expects, from its checkpoint headers or its config.
@@ -19,7 +19,7 @@ tests/test_architecture.py checks both directions.
 """
 
 from refit.plan.checkpoint_format import CheckpointView, checkpoint_tensors, describe_weights
-from refit.plan.config import Delta, Pause, QuantizeOn, SyncConfig, Transport, Verify
+from refit.plan.config import Delta, Draft, Pause, QuantizeOn, SyncConfig, Transport, Verify
 from refit.plan.data_path import loadable_tensors, produce_buckets
 from refit.plan.tensors import TensorMeta, module_classes
 from refit.plan.transfer_plan import PlannedTensor, RolloutModelInfo, TransferPlan, make_plan
@@ -27,6 +27,7 @@ from refit.plan.transfer_plan import PlannedTensor, RolloutModelInfo, TransferPl
 __all__ = [
     "CheckpointView",
     "Delta",
+    "Draft",
     "Pause",
     "PlannedTensor",
     "QuantizeOn",

@@ -17,7 +17,7 @@ from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
 from refit.transport.kinds import TransportKind, transport_kind
 
-__all__ = ["Delta", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
+__all__ = ["Delta", "Draft", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
 
 class Verify(StrEnum):
@@ -55,6 +55,13 @@ class Delta(StrEnum):
 
     AUTO = "auto"  # a delta to every replica whose base is the sender's, a full sync to the others
     OFF = "off"  # every byte, every sync; no base kept on either side
+
+
+class Draft(StrEnum):
+    """What a sync does to a replica's speculative draft model (docs/draft.md)."""
+
+    SYNC = "sync"  # the trainer's `draft.` tensors go to the draft, in the same version as the target's
+    FROZEN = "frozen"  # the draft is never touched, whatever the trainer holds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,6 +107,12 @@ class SyncConfig:
     everything. Deltas need `quantize_on="trainer"` and the `ray` or `collective` transport; with
     `"auto"` both ends keep the last version's wire bytes (about 1 byte per FP8 weight). `verify="off"` turns
     deltas off too."""
+
+    draft: Draft = Draft.SYNC
+    """`"sync"`: a trainer's tensors named `draft.<checkpoint name>` update the replicas' draft models (a
+    speculative `draft_model`) in the same update as the target, so no draft ever serves beside another version
+    of its target; `"frozen"`: the drafts keep their weights whatever the trainer holds. A replica without a
+    draft ignores the trainer's draft tensors."""
 
     pause: Pause = Pause.WAIT
     """`"wait"`: requests in flight finish on the old weights before an update; `"abort"`: they end
@@ -172,7 +185,7 @@ class SyncConfig:
                 )
             object.__setattr__(self, "transport", kinds[0] if kinds else None)
         for name, enum in (("quantize_on", QuantizeOn), ("kv_scales", KvScalePolicy), ("verify", Verify),
-                           ("transport", Transport), ("pause", Pause), ("delta", Delta)):
+                           ("transport", Transport), ("pause", Pause), ("delta", Delta), ("draft", Draft)):
             try:
                 object.__setattr__(self, name, coerce_enum(enum, getattr(self, name), name))
             except ConfigError as error:

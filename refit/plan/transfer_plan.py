@@ -31,9 +31,13 @@ from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
-__all__ = ["PlannedTensor", "RolloutModelInfo", "TransferPlan", "layer_key", "make_plan"]
+__all__ = ["DRAFT_PREFIX", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "layer_key", "make_plan"]
 
 _LM_HEAD = "lm_head.weight"
+
+DRAFT_PREFIX = "draft."
+"""How a trainer names its speculative draft model's tensors: `draft.` + the draft checkpoint's name. The plan
+and the wire keep the prefix; the replica loads them into its draft model without it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,7 @@ class RolloutModelInfo:
     tie_word_embeddings: bool
     weights: tuple[ExpectedWeight, ...] | None = None  # None: unknown, the plan is not checked against it
     vocab_size: int | None = None  # for the logprob probe's prompts
+    draft: RolloutModelInfo | None = None  # its speculative draft model's, if it decodes with one
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> RolloutModelInfo:
@@ -65,6 +70,9 @@ class RolloutModelInfo:
         info = cls.from_hf_config(config)
         return cls(info.quantization_config, info.tie_word_embeddings,
                    expected_weights(model_dir, info.quantization_config, from_files=from_files), info.vocab_size)
+
+    def with_draft(self, draft: RolloutModelInfo | None) -> RolloutModelInfo:
+        return replace(self, draft=draft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +174,27 @@ def layer_key(name: str) -> str:
 def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig) -> TransferPlan:
     """Plan a transfer of `sources` into a rollout running `rollout_model`.
 
-    Every problem found is reported at once, before anything runs.
+    Every problem found is reported at once, before anything runs. Tensors named `draft.` + a name go to the
+    rollout's draft model (planned against its own checkpoint), after the target's, unless `config.draft` is
+    "frozen" or the rollout has no draft.
     """
+    from refit.plan.config import Draft
+
+    target = [m for m in sources if not m.name.startswith(DRAFT_PREFIX)]
+    ordered = _planned(target, rollout_model, config)
+    drafts = [replace(m, name=m.name.removeprefix(DRAFT_PREFIX),
+                      alias_of=m.alias_of and m.alias_of.removeprefix(DRAFT_PREFIX),
+                      piece_of=m.piece_of and m.piece_of.removeprefix(DRAFT_PREFIX))
+              for m in sources if m.name.startswith(DRAFT_PREFIX)]
+    if drafts and rollout_model.draft is not None and config.draft is Draft.SYNC:
+        ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=DRAFT_PREFIX + t.source)
+                    for t in _planned(drafts, rollout_model.draft, config, model="the draft")]
+    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on)
+
+
+def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig,
+             model: str = "the rollout") -> list[PlannedTensor]:
+    """One model's planned tensors, in layer order; `model` names it in what is refused."""
     by_name = {m.name: m for m in sources}
     targets = [(m.name, m.alias_of or m.name) for m in sources]
     if rollout_model.tie_word_embeddings and _LM_HEAD not in by_name:
@@ -192,15 +219,13 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
         block = quantizer.scheme.block if quantize else None
         planned[target] = PlannedTensor(target, source, meta.shape, meta.dtype, block)
     if problems:
-        raise InvalidTensorError("cannot plan the transfer:\n  " + "\n  ".join(problems))
+        raise InvalidTensorError(f"cannot plan the transfer into {model}:\n  " + "\n  ".join(problems))
     if config.check_against_rollout and rollout_model.weights is not None:
-        _check_against_rollout(list(planned.values()), rollout_model)
-
-    ordered = [planned[name] for name in _layer_order(list(planned))]
-    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on)
+        _check_against_rollout(list(planned.values()), rollout_model, model)
+    return [planned[name] for name in _layer_order(list(planned))]
 
 
-def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutModelInfo) -> None:
+def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutModelInfo, model: str) -> None:
     """Every target is a weight of the rollout's model in the form and shape it expects, and every weight
     it expects is covered; all mismatches reported together, before any byte moves."""
     expected = {w.name: w for w in rollout_model.weights}
@@ -222,7 +247,7 @@ def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutM
     ]
     if problems:
         raise PlanMismatchError(
-            f"the trainer's weights do not match the rollout's model ({len(problems)} problem(s)); nothing was sent:\n  "
+            f"the trainer's weights do not match {model}'s model ({len(problems)} problem(s)); nothing was sent:\n  "
             + "\n  ".join(problems)
             + "\n(if vLLM maps these names itself, SyncConfig(check_against_rollout=False) skips this check)"
         )

@@ -110,7 +110,7 @@ def test_every_rpc_of_worker_calls_is_in_the_allow_list():
     assert {m for m, _ in called} | {"refit_engine_facts", "refit_boot_id"} == SERVER_METHODS
     for _, args in called:  # every argument crosses HTTP as JSON
         json.dumps(args)
-    (plan_args,) = [args for method, args in called if method == "refit_expect_plan"]
+    (plan_args,) = [args for method, args in called if method == "refit_start_update"]
     sent = TransferPlan.from_plain(json.loads(json.dumps(plan_args[0])))
     assert sent == plan and sent.integrity_key == b"k"
 

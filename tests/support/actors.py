@@ -249,3 +249,14 @@ def change_megatron(rank, names: list[str], change) -> int:
     from refit.sharding.megatron import change_checkpoint_tensors
 
     return change_checkpoint_tensors(rank.source.layout, names, change)
+
+
+def draft_state(rollout) -> dict[str, str]:
+    """Run in a `RolloutActor`: a hash of every parameter of its engine's speculative draft model."""
+
+    def hashes(worker) -> dict[str, str]:
+        model = worker.model_runner.get_draft_model()
+        return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                for name, p in model.named_parameters()}
+
+    return rollout.engine.llm.collective_rpc(hashes)[0]
