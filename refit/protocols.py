@@ -51,6 +51,7 @@ __all__ = [
     "ShardedWeightSource",
     "WeightSource",
     "accepts",
+    "as_declared",
     "declared_methods",
     "has_method",
     "missing_methods",
@@ -304,6 +305,16 @@ SOURCE_METHODS: Final[Mapping[str, MethodSpec]] = MappingProxyType(declared_meth
 
 REPLICA_METHODS: Final[Mapping[str, MethodSpec]] = MappingProxyType(declared_methods(FullRolloutReplica))
 """A rollout replica's methods, required and optional, each with its concurrency group: the one list of them."""
+
+
+def as_declared(method: _F, cls: type, name: str, declared: Callable[..., object],
+                signature_of: Callable[..., object] | None = None) -> _F:
+    """`method`, made for `cls` by a delegating decorator, named and documented as the protocol declares `name`, with
+    the signature of `signature_of` (default: the declaration), which Ray reads to check a call's arguments."""
+    method.__name__, method.__qualname__ = name, f"{cls.__qualname__}.{name}"
+    method.__module__, method.__doc__ = cls.__module__, declared.__doc__
+    method.__signature__ = inspect.signature(signature_of or declared)  # type: ignore[attr-defined]
+    return method
 
 
 def missing_methods(obj: object, protocol: type) -> list[str]:

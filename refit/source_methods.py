@@ -14,14 +14,13 @@ fourth (docs/sharded.md).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
-from refit.protocols import SOURCE_METHODS, FullWeightSource
+from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.sender import TransportSender
@@ -98,11 +97,7 @@ def _delegation(cls: type, name: str) -> Callable[..., Any]:
     else:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             return getattr(self.weights, name)(*args, **kwargs)
-    declared = getattr(FullWeightSource, name)
-    method.__name__, method.__qualname__ = name, f"{cls.__qualname__}.{name}"
-    method.__module__, method.__doc__ = cls.__module__, declared.__doc__
-    method.__signature__ = inspect.signature(getattr(TrainerWeights, name))  # type: ignore[attr-defined]
-    return method
+    return as_declared(method, cls, name, getattr(FullWeightSource, name), getattr(TrainerWeights, name))
 
 
 def _timed(items: Iterator[_T], add_seconds: Callable[[float], None]) -> Iterator[_T]:

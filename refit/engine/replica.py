@@ -26,7 +26,6 @@ the driver to clean up after it, since that driver may be gone.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -42,7 +41,7 @@ from refit.errors import InvalidTensorError, LifecycleError, PlanMismatchError, 
 from refit.plan.config import Pause, SyncConfig, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
-from refit.protocols import REPLICA_METHODS, ConcurrencyGroup, FullRolloutReplica
+from refit.protocols import REPLICA_METHODS, ConcurrencyGroup, FullRolloutReplica, as_declared
 from refit.provenance import KvScalePolicy, ScaleRecord
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket
@@ -493,11 +492,7 @@ def _delegation(cls: type, name: str, coroutine: bool) -> Callable[..., Any]:
     else:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             return getattr(self.replica, name)(*args, **kwargs)
-    declared = getattr(FullRolloutReplica, name)
-    method.__name__, method.__qualname__ = name, f"{cls.__qualname__}.{name}"
-    method.__module__, method.__doc__ = cls.__module__, declared.__doc__
-    method.__signature__ = inspect.signature(declared)  # type: ignore[attr-defined]
-    return method
+    return as_declared(method, cls, name, getattr(FullRolloutReplica, name))
 
 
 @delegate_to_replica(groups={"observe"})
