@@ -170,3 +170,14 @@ def test_a_rank_of_padding_rows_only_holds_no_slot():
 def test_what_the_mapping_cannot_place_is_refused_by_name(name, shape, place, message):
     with pytest.raises(ConfigError, match=message):
         slots_of(name, shape, DENSE, place, lambda i: i)
+
+
+def test_megatron_core_is_imported_only_by_a_layout_or_a_rank_that_uses_it():
+    """An optional extra: importing refit, its actors and its Megatron package pulls none of megatron-core in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, refit, actors, refit.sharding.megatron\n"
+            "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
