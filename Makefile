@@ -16,13 +16,15 @@ test: env
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
+# Each benchmark prints its table and, with --write-docs, writes it into its
+# block of docs/performance.md (benchmarks/_docs_table.py), header included.
 bench: env
-	$(PY) -m benchmarks.bench_alternatives
-	$(PY) -m benchmarks.bench_delta
-	$(PY) -m benchmarks.bench_quantizer
-	$(PY) -m benchmarks.bench_sync
-	$(PY) -m benchmarks.bench_sharded
-	$(PY) -m benchmarks.bench_transport
+	$(PY) -m benchmarks.bench_alternatives --write-docs
+	$(PY) -m benchmarks.bench_delta --write-docs
+	$(PY) -m benchmarks.bench_quantizer --write-docs
+	$(PY) -m benchmarks.bench_sync --write-docs
+	$(PY) -m benchmarks.bench_sharded --write-docs
+	$(PY) -m benchmarks.bench_transport --write-docs
 
 # Regenerates the committed model fixtures: trains the tiny models in the main
 # venv, then quantizes them with the real llmcompressor in its own venv.

@@ -35,6 +35,9 @@ a 2-node local one.
 
     .venv/bin/python -m benchmarks.bench_alternatives            # 3 sizes, up to 864 MiB bf16
     .venv/bin/python -m benchmarks.bench_alternatives --sizes 2x256 --repeats 1   # smoke
+
+With `--write-docs` (as `make bench` runs it) it also writes its tables into
+its block of docs/performance.md and copies the plot to docs/bench.png.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import torch
 
 import refit
 from actors import TrainerActor
+from benchmarks import _docs_table
 from benchmarks import _instruments as instruments
 from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
 from fixtures.cluster import local_cluster
@@ -321,26 +325,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma-separated words: measure only the refit paths whose name has one (the default always runs)")
+    _docs_table.add_write_docs_argument(parser, "bench_alternatives")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     results: list[SizeResult] = []
+    printed: list[str] = []  # what the docs block holds: the tables and the fit, not where the files went
     with tempfile.TemporaryDirectory() as scratch, cluster():
         for layers, hidden in args.sizes:
             results.append(measure_size(layers, hidden, int(args.bucket_mib * 2**20), args.repeats, Path(scratch), args.only))
-            print(table(results[-1]), flush=True)
+            printed.append(table(results[-1]))
+            print(printed[-1], flush=True)
 
     fits = {name: fit(results, name) for name in results[0].paths}
     if len(results) > 1:
-        print("\nfitted over the sizes: seconds = fixed + per GiB of bf16 weights")
+        lines = ["\nfitted over the sizes: seconds = fixed + per GiB of bf16 weights"]
         for name, (fixed, per_gib) in ((n, f) for n, f in fits.items() if f):
-            print(f"  {name:<32} fixed {fixed * 1e3:7.1f} ms   {per_gib:6.3f} s/GiB")
+            lines.append(f"  {name:<32} fixed {fixed * 1e3:7.1f} ms   {per_gib:6.3f} s/GiB")
+        printed.append("\n".join(lines))
+        print(printed[-1])
     summary = {"sizes": [{**asdict(s), "paths": {n: {**asdict(p), "median": p.median} for n, p in s.paths.items()}}
                          for s in results],
                "fits": {n: {"fixed_s": f[0], "per_gib_s": f[1]} for n, f in fits.items() if f}}
     (args.out / "bench.json").write_text(json.dumps(summary, indent=2))
     plot(results, args.out / "bench.png")
     print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    if args.write_docs:
+        _docs_table.write_block("bench_alternatives", "\n".join(printed), argv=argv)
+        shutil.copyfile(args.out / "bench.png", _docs_table.PAGE.parent / "bench.png")  # the plot the page shows
+        print(f"copied {args.out / 'bench.png'} to {_docs_table.PAGE.parent / 'bench.png'}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 import ray
 
 import refit
+from benchmarks import _docs_table
 from benchmarks import _instruments as instruments
 from benchmarks.bench_alternatives import cluster, drop_replica_base
 from benchmarks.bench_sync import start_trainer_and_rollout, synthetic_checkpoints
@@ -104,10 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lrs", type=lambda text: [float(x) for x in text.split(",")], default=[1e-6, 1e-5, 1e-4])
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    _docs_table.add_write_docs_argument(parser, "bench_delta")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     config = refit.SyncConfig(bucket_bytes=int(args.bucket_mib * 2**20))
     results = {}
+    printed: list[str] = []  # what the docs block holds
     with tempfile.TemporaryDirectory() as scratch, cluster():
         trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(scratch), args.layers, args.hidden))
         try:
@@ -130,21 +133,25 @@ def main(argv: list[str] | None = None) -> None:
                 run_in(trainer, adamw_step_with_random_gradients, 10 * len(results) + 9, timeout=600)
                 results[lr] = {"delta": median_rows(delta_rows), "full": median_rows(full_rows),
                                "delta stages": instrumented_sync(syncer, trainer, rollout)}
-                print(table(lr, results[lr]), flush=True)
+                printed.append(table(lr, results[lr]))
+                print(printed[-1], flush=True)
             memory = {"trainer": run_in(trainer, base_bytes), "rollout": run_in(rollout, base_bytes)}
         finally:
             for actor in (trainer, rollout):
                 ray.kill(actor)
     per_parameter = {side: nbytes / (counts["fp8"] + counts["bf16"]) for side, nbytes in memory.items()}
     bound = counts["fp8"] * (1 + 4 / 128**2) + 2 * counts["bf16"]  # codes, one fp32 scale per block, bf16 tensors
-    print(f"\nbases kept between syncs: trainer {memory['trainer'] / 2**20:.1f} MiB, rollout {memory['rollout'] / 2**20:.1f} MiB "
-          f"({per_parameter['trainer']:.3f} and {per_parameter['rollout']:.3f} bytes per parameter; "
-          f"{counts['fp8'] / 1e6:.1f} M FP8_BLOCK and {counts['bf16'] / 1e6:.1f} M bf16 parameters; "
-          f"the stated bound, 1 byte per FP8 parameter plus its scales and 2 per bf16 one, is {bound / 2**20:.1f} MiB)")
+    printed.append(f"\nbases kept between syncs: trainer {memory['trainer'] / 2**20:.1f} MiB, rollout {memory['rollout'] / 2**20:.1f} MiB "
+                   f"({per_parameter['trainer']:.3f} and {per_parameter['rollout']:.3f} bytes per parameter; "
+                   f"{counts['fp8'] / 1e6:.1f} M FP8_BLOCK and {counts['bf16'] / 1e6:.1f} M bf16 parameters; "
+                   f"the stated bound, 1 byte per FP8 parameter plus its scales and 2 per bf16 one, is {bound / 2**20:.1f} MiB)")
+    print(printed[-1])
     summary = {"model": f"{args.layers}x{args.hidden}", "parameters": counts, "base_bytes": memory, "base_bound_bytes": bound,
                "by_lr": {str(lr): result for lr, result in results.items()}}
     (args.out / "delta.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {args.out / 'delta.json'}")
+    if args.write_docs:
+        _docs_table.write_block("bench_delta", "\n".join(printed), argv=argv)
 
 
 def table(lr: float, result: dict[str, dict[str, float]]) -> str:

@@ -25,6 +25,7 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.quantization.utils.helpers import maybe_pad_tensor_for_block_quant
 
+from benchmarks import _docs_table
 from refit.quantizer import quantize_fp8_block
 
 _ARGS = preset_name_to_scheme("FP8_BLOCK", ["Linear"]).weights
@@ -60,12 +61,13 @@ def measure(workload: list[torch.Tensor], candidates: dict[str, Callable[[torch.
     return {name: nbytes / statistics.median(s) / 1e9 for name, s in seconds.items()}
 
 
-def report(title: str, gbps: dict[str, float]) -> None:
-    print(f"\n{title}")
-    for name, value in gbps.items():
-        print(f"  {name:<28} {value:6.2f} GB/s")
-    print(f"  refit / compressed-tensors   {gbps['refit'] / gbps['compressed-tensors']:6.2f}x  (target >= 5)")
-    print(f"  refit / clone                {gbps['refit'] / gbps['clone']:6.2f}   (target >= 0.5)")
+def report(title: str, gbps: dict[str, float]) -> str:
+    """The table of one workload, printed; returned for the docs block."""
+    lines = [f"\n{title}", *(f"  {name:<28} {value:6.2f} GB/s" for name, value in gbps.items()),
+             f"  refit / compressed-tensors   {gbps['refit'] / gbps['compressed-tensors']:6.2f}x  (target >= 5)",
+             f"  refit / clone                {gbps['refit'] / gbps['clone']:6.2f}   (target >= 0.5)"]
+    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -73,8 +75,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8192, help="side of the large square matrix")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the synthetic model")
     parser.add_argument("--repeats", type=int, default=5)
+    _docs_table.add_write_docs_argument(parser, "bench_quantizer")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    printed = [f"torch {torch.__version__}, {torch.get_num_threads()} threads"]
+    print(printed[0])
 
     candidates = {
         "refit": lambda t: quantize_fp8_block(t),
@@ -82,13 +86,15 @@ def main() -> None:
         "clone": lambda t: t.clone(),
     }
     matrix = [(torch.randn(args.size, args.size) * 0.02).to(torch.bfloat16)]
-    report(f"bf16 matrix {args.size}x{args.size} ({matrix[0].numel() * 2 / 2**20:.0f} MiB)",
-           measure(matrix, candidates, args.repeats))
+    printed.append(report(f"bf16 matrix {args.size}x{args.size} ({matrix[0].numel() * 2 / 2**20:.0f} MiB)",
+                          measure(matrix, candidates, args.repeats)))
     del matrix
     model = synthetic_decoder(args.layers, hidden=2048, intermediate=6144, kv=512)
     mib = sum(t.numel() * 2 for t in model) / 2**20
-    report(f"synthetic decoder, {args.layers} layers, hidden 2048 ({len(model)} Linears, {mib:.0f} MiB)",
-           measure(model, candidates, args.repeats))
+    printed.append(report(f"synthetic decoder, {args.layers} layers, hidden 2048 ({len(model)} Linears, {mib:.0f} MiB)",
+                          measure(model, candidates, args.repeats)))
+    if args.write_docs:
+        _docs_table.write_block("bench_quantizer", "\n".join(printed))
 
 
 if __name__ == "__main__":

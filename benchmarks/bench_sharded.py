@@ -18,13 +18,14 @@ from pathlib import Path
 
 import refit
 from actors import RolloutActor, TrainerActor, TrainerGroup
+from benchmarks import _docs_table
 from benchmarks.bench_sync import model_arguments, synthetic_checkpoints
 from fixtures.cluster import local_cluster
 from refit import EngineConfig
 
 
 def main() -> None:
-    args = model_arguments(__doc__)
+    args = model_arguments(__doc__, "bench_sharded")
 
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=3):
         bf16, fp8 = synthetic_checkpoints(Path(tmp), args.layers, args.hidden)
@@ -44,19 +45,23 @@ def main() -> None:
 
         plan = syncers["single process"].plan()
         bf16_bytes = sum(t.source_bytes for t in plan.tensors)
-        print(f"model: {args.layers} layers, hidden {args.hidden}, {bf16_bytes / 2**20:.0f} MiB bf16, "
-              f"{plan.wire_bytes / 2**20:.0f} MiB FP8_BLOCK on the wire, {len(plan.buckets)} buckets")
+        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {bf16_bytes / 2**20:.0f} MiB bf16, "
+                 f"{plan.wire_bytes / 2**20:.0f} MiB FP8_BLOCK on the wire, {len(plan.buckets)} buckets"]
         medians = {name: statistics.median(s) for name, s in seconds.items()}
         for name, median in medians.items():
-            print(f"  {name:<16} median {median:.3f} s")
-        print(f"  sharded / single-process time: {medians['FSDP2, 2 ranks'] / medians['single process']:.2f}")
+            lines.append(f"  {name:<16} median {median:.3f} s")
+        lines.append(f"  sharded / single-process time: {medians['FSDP2, 2 ranks'] / medians['single process']:.2f}")
         for rank, stats in enumerate(group.stream_stats()):
-            print(f"  rank {rank}: sent {stats['bytes'] / 2**20:.1f} MiB ({stats['rows']} tensors as its own rows, "
-                  f"{stats['whole']} whole, {stats['gather']} gathered), all-gathered {stats['gathered_bytes'] / 2**20:.1f} MiB")
+            lines.append(f"  rank {rank}: sent {stats['bytes'] / 2**20:.1f} MiB ({stats['rows']} tensors as its own rows, "
+                         f"{stats['whole']} whole, {stats['gather']} gathered), "
+                         f"all-gathered {stats['gathered_bytes'] / 2**20:.1f} MiB")
         gathered = sum(s["gathered_bytes"] for s in group.stream_stats())
-        print(f"  gathering the BF16 model onto one rank first would move {bf16_bytes / 2 / 2**20:.0f} MiB between ranks; "
-              f"shard-local quantization moved {gathered / 2**20:.1f} MiB (ratio {gathered / (bf16_bytes / 2):.3f})")
+        lines.append(f"  gathering the BF16 model onto one rank first would move {bf16_bytes / 2 / 2**20:.0f} MiB between ranks; "
+                     f"shard-local quantization moved {gathered / 2**20:.1f} MiB (ratio {gathered / (bf16_bytes / 2):.3f})")
+        print("\n".join(lines))
         group.kill()
+    if args.write_docs:
+        _docs_table.write_block("bench_sharded", "\n".join(lines))
 
 
 if __name__ == "__main__":

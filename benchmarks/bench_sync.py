@@ -21,6 +21,7 @@ import torch
 
 import refit
 from actors import RolloutActor, TrainerActor
+from benchmarks import _docs_table
 from fixtures import model_dir
 from fixtures.cluster import local_cluster
 from refit import EngineConfig
@@ -55,18 +56,20 @@ def start_trainer_and_rollout(bf16: Path, fp8: Path) -> tuple:
     return trainer, rollout
 
 
-def model_arguments(description: str | None) -> argparse.Namespace:
-    """The command line every sync benchmark shares: the synthetic model, bucket size and repeats."""
+def model_arguments(description: str | None, name: str) -> argparse.Namespace:
+    """The command line every sync benchmark shares: the synthetic model, bucket size, repeats and `--write-docs`
+    (into benchmark `name`'s block)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--bucket-mib", type=float, default=16)
     parser.add_argument("--repeats", type=int, default=4)
+    _docs_table.add_write_docs_argument(parser, name)
     return parser.parse_args()
 
 
 def main() -> None:
-    args = model_arguments(__doc__)
+    args = model_arguments(__doc__, "bench_sync")
 
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
         trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
@@ -88,16 +91,19 @@ def main() -> None:
 
         plan = syncers["in flight 2 (overlap)"].plan()
         source_mib = sum(t.source_bytes for t in plan.tensors) / 2**20
-        print(f"model: {args.layers} layers, hidden {args.hidden}, {source_mib:.0f} MiB bf16; "
-              f"{report.bytes_on_wire / 2**20:.0f} MiB on the wire in {report.buckets} buckets")
-        print(report.summary())
+        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {source_mib:.0f} MiB bf16; "
+                 f"{report.bytes_on_wire / 2**20:.0f} MiB on the wire in {report.buckets} buckets",
+                 report.summary()]
         medians = {name: statistics.median(s) for name, s in seconds.items()}
         for name, median in medians.items():
-            print(f"  {name:<26} median {median:.3f} s  ({source_mib / median:.0f} MiB/s of bf16 weights)")
+            lines.append(f"  {name:<26} median {median:.3f} s  ({source_mib / median:.0f} MiB/s of bf16 weights)")
         no_overlap, overlap = medians.values()
-        print(f"  overlap speed-up           {no_overlap / overlap:.2f}x")
-        print(f"  rollout RSS growth over {2 * args.repeats} syncs: {rss_growth / 2**20:.1f} MiB "
-              f"({rss_growth / report.bytes_on_wire:.2f} x one sync's wire bytes)")
+        lines.append(f"  overlap speed-up           {no_overlap / overlap:.2f}x")
+        lines.append(f"  rollout RSS growth over {2 * args.repeats} syncs: {rss_growth / 2**20:.1f} MiB "
+                     f"({rss_growth / report.bytes_on_wire:.2f} x one sync's wire bytes)")
+        print("\n".join(lines))
+    if args.write_docs:
+        _docs_table.write_block("bench_sync", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import tempfile
 from pathlib import Path
 
 import refit
+from benchmarks import _docs_table
 from benchmarks.bench_sync import model_arguments, start_trainer_and_rollout, synthetic_checkpoints
 from fixtures.cluster import local_cluster
 
 
 def main() -> None:
-    args = model_arguments(__doc__)
+    args = model_arguments(__doc__, "bench_transport")
     with tempfile.TemporaryDirectory() as tmp, local_cluster(nodes=2):
         trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
         bucket = int(args.bucket_mib * 2**20)
@@ -41,14 +42,17 @@ def main() -> None:
             syncer.close()
 
         plan = syncers["ray"].plan()
-        print(f"model: {args.layers} layers, hidden {args.hidden}, {sum(t.source_bytes for t in plan.tensors) / 2**20:.0f} MiB bf16; "
-              f"{plan.wire_bytes / 2**20:.0f} MiB on the wire in {len(plan.buckets)} buckets of <= {args.bucket_mib:g} MiB")
+        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {sum(t.source_bytes for t in plan.tensors) / 2**20:.0f} MiB bf16; "
+                 f"{plan.wire_bytes / 2**20:.0f} MiB on the wire in {len(plan.buckets)} buckets of <= {args.bucket_mib:g} MiB"]
         medians = {name: statistics.median(s) for name, s in seconds.items()}
         for name, median in medians.items():
-            print(f"  {name:<11} median {median:.3f} s per sync (stream stage {statistics.median(stream[name]):.3f} s), "
-                  f"{plan.wire_bytes / 2**20 / median:.0f} MiB/s on the wire")
-        print(f"  collective / ray time ratio: {medians['collective'] / medians['ray']:.2f} "
-              f"(below 1: collective is faster)")
+            lines.append(f"  {name:<11} median {median:.3f} s per sync (stream stage {statistics.median(stream[name]):.3f} s), "
+                         f"{plan.wire_bytes / 2**20 / median:.0f} MiB/s on the wire")
+        lines.append(f"  collective / ray time ratio: {medians['collective'] / medians['ray']:.2f} "
+                     f"(below 1: collective is faster)")
+        print("\n".join(lines))
+    if args.write_docs:
+        _docs_table.write_block("bench_transport", "\n".join(lines))
 
 
 if __name__ == "__main__":
