@@ -68,7 +68,7 @@ def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> dict[str, dict[
 
 def base_bytes(actor) -> int:
     """The delta base an actor keeps: a trainer's sender base, or a rollout's replica base."""
-    base = actor.replica._base if hasattr(actor, "replica") else actor._transport._base
+    base = actor.replica._base if hasattr(actor, "replica") else actor.weights.sender._base
     return base.nbytes()
 
 
