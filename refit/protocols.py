@@ -102,6 +102,13 @@ class WeightSource(Protocol):
 
     Call order per sync: `weight_metadata` (once per `Syncer`, to plan), then
     `stream_buckets(plan)` once per sync. A source must not import vLLM.
+
+    Not vLLM's `WeightSource` (vllm/distributed/weight_transfer/base.py), an
+    ABC a trainer engine iterates for whole (name, tensor) pairs: this one is
+    a structural protocol of an actor's methods, and what it streams are
+    buckets of the plan, already quantized and tagged, as each rank holds
+    them. The name is kept because it is what the object is to refit's users;
+    the two never meet (a source must not import vLLM).
     """
 
     @required()
