@@ -60,6 +60,7 @@ class MegatronRank(RankProcess):
 
     def setup(self, address: str, port: int, model_dir: str, parallel: dict, *, timeout_s: float) -> None:
         """Join the group, set up Megatron's parallel groups, build this rank's stage and load the checkpoint into it."""
+        _quiet_megatron_imports()
         with collector_paused():
             from megatron.core import parallel_state
         freeze_import_heap()
@@ -122,6 +123,22 @@ class MegatronGroup:
     def kill(self) -> None:
         for rank in self.ranks:
             ray.kill(rank)
+
+
+# megatron-core 0.16 warns on import and on config when optional CUDA libraries are missing; on a CPU rank
+# they are missing by design (the local layer spec and torch's norms are what refit builds), and the
+# deprecated CUDA-graph scope is megatron's own default, not a setting refit passes.
+_BENIGN_MEGATRON_WARNINGS = (
+    r"(Transformer Engine and )?Apex (is|are) not installed",
+    r"full scope is deprecated",
+)
+
+
+def _quiet_megatron_imports() -> None:
+    import warnings
+
+    for message in _BENIGN_MEGATRON_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def _gpt_model(hf: dict, parallel: MegatronParallel) -> torch.nn.Module:
