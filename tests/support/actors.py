@@ -260,3 +260,9 @@ def draft_state(rollout) -> dict[str, str]:
                 for name, p in model.named_parameters()}
 
     return rollout.engine.llm.collective_rpc(hashes)[0]
+
+
+def draft_like_policy(trainer) -> None:
+    """Run in a `TrainerActor` with a draft: the draft takes the policy's current weights (same architecture)."""
+    with torch.no_grad():
+        trainer.draft.load_state_dict(trainer.model.state_dict())

@@ -11,13 +11,13 @@ import ray
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, model_dir
-from tests.support.actors import draft_state, engine_state, redraw, run_in
+from tests.support.actors import draft_like_policy, draft_state, engine_state, redraw, run_in
 
 FP8 = model_dir(False, "fp8_block")
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=53)
 
 
-def test_target_and_draft_sync_in_one_version_and_a_draft_left_behind_is_flagged(actors_factory):
+def test_target_and_draft_sync_in_one_version_a_draft_left_behind_is_flagged_and_catches_up(actors_factory):
     trainer = actors_factory.trainer(model_dir(False, "bf16"), draft_dir=str(model_dir(False, "bf16")))
     replica = actors_factory.rollout(FP8, node=1, load_format="dummy", draft_model=str(FP8))
     fresh = actors_factory.rollout(FP8, node=2, draft_model=str(FP8))  # both loaded from their checkpoints
@@ -40,6 +40,12 @@ def test_target_and_draft_sync_in_one_version_and_a_draft_left_behind_is_flagged
     assert run_in(replica, draft_state) == before
     assert frozen.replicas[0].draft_acceptance < synced.draft_acceptance / 2
     assert frozen.probe_breached and "draft model's acceptance fell" in frozen.replicas[0].verification
+
+    # The trainer's draft catches up with its policy; synced over the collective transport (the workers receive the
+    # draft's bytes themselves), the replica's draft accepts again.
+    run_in(trainer, draft_like_policy)
+    caught_up = refit.Syncer(trainer, [replica], refit.SyncConfig(transport="collective")).sync()
+    assert caught_up.replicas[0].draft_acceptance >= 0.9, caught_up.summary()
 
 
 def test_a_trainer_without_a_draft_leaves_the_replicas_draft_alone(actors_factory):
