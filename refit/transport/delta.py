@@ -25,11 +25,18 @@ bucket instead of serving a mix. A delta needs those tags: a sync with
 `verify="off"` (no key, no tags) sends everything.
 
 Encoding of one entry (`WireTensor.changed` = n, the number of changed
-elements): one int32 count of changed elements per chunk of 65536, then the
-new elements (the entry's dtype), then the low 16 bits of each position
-(int16), each part padded to 8 bytes so every view is aligned. 2 + itemsize bytes
-per changed element: 3 for FP8 codes. An entry whose delta would not be
-smaller travels whole.
+elements), the smaller of two, each part padded to 8 bytes so every view is
+aligned:
+- *sparse*: one int32 count of changed elements per chunk of 65536, then the
+  new elements (the entry's dtype), then the low 16 bits of each position
+  (int16). 2 + itemsize bytes per changed element: 3 for FP8 codes.
+- *bitmap*: one bit per element (set: changed), then the new elements.
+  itemsize bytes per changed element plus 1/8 byte per element: smaller
+  once more than 1 in 16 elements change, as in bf16 tensors (embeddings,
+  norms) at RL learning rates, where 15-25% of them do.
+The payload's size says which it is: the sender picks the bitmap only where
+it is strictly smaller, so equal sizes mean sparse. An entry whose delta
+would not be smaller travels whole.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from enum import StrEnum
 
+import numpy as np
 import torch
 
 from refit.errors import BaseMismatchError
@@ -239,13 +247,22 @@ def _delta_parts(
     return counts, as_bytes(_elements(new, width)[positions]), low
 
 
+def _bitmap_size(numel: int, changed: int, width: int) -> int:
+    return _round8(-(-numel // 8)) + _round8(width * changed)
+
+
 def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torch.Tensor] | None:
-    """(changed elements, payload bytes), or None when the whole entry is no larger."""
+    """(changed elements, payload bytes) in the smaller encoding, or None when the whole entry is no larger."""
     width = element_view(dtype).itemsize
     numel = new.numel() // width
     chunks = _chunks(numel)
     cap = (new.numel() - 8 - _layout(numel, 0, width)[2]) // (2 + width)  # at most this many for a smaller payload
     parts = _delta_parts(new, old, width, cap, chunks) if cap >= 0 else None
+    if parts is None or 16 * parts[2].numel() > numel:  # past 1 in 16 changed, a bitmap may be smaller
+        bitmap = _encode_bitmap(new, old, width, numel)
+        sparse_size = new.numel() if parts is None else _layout(numel, parts[2].numel(), width)[2]
+        if bitmap is not None and bitmap[1].numel() < min(sparse_size, new.numel()):
+            return bitmap
     if parts is None:
         return None
     counts, values, low = parts
@@ -259,11 +276,27 @@ def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torc
     return low.numel(), payload
 
 
+def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, torch.Tensor] | None:
+    """(changed elements, bitmap payload); None if nothing changed (the sparse form is smaller then)."""
+    changed = _elements(new, width) != _elements(old, width)
+    n = int(changed.sum())
+    if n == 0:
+        return None
+    bits_size = _round8(-(-numel // 8))
+    payload = torch.zeros(_bitmap_size(numel, n, width), dtype=torch.uint8)
+    payload[: -(-numel // 8)] = torch.from_numpy(np.packbits(changed.numpy(), bitorder="little"))
+    payload[bits_size : bits_size + width * n] = as_bytes(_elements(new, width)[changed])
+    return n, payload
+
+
 def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> None:
-    """Write a delta's elements into the base entry `stored`, in place."""
+    """Write a delta's elements into the base entry `stored`, in place (its size says which encoding it is)."""
     width = element_view(entry.dtype).itemsize
     n, numel = entry.changed, stored.numel() // width
     values_at, low_at, size = _layout(numel, n, width)
+    if payload.numel() != size and payload.numel() == _bitmap_size(numel, n, width):
+        _apply_bitmap(stored, payload, entry, width, numel)
+        return
     if payload.numel() != size:
         raise BaseMismatchError(f"{entry.name}: a delta of {payload.numel()} bytes cannot hold {n} changed elements")
     chunks = _chunks(numel)
@@ -279,3 +312,12 @@ def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> No
         _elements(stored, width)[positions] = values.view(_elements(stored, width).dtype)
     elif not applied:
         raise BaseMismatchError(f"{entry.name}: a delta's position counts or indices do not fit its {numel} elements and {n} changes")
+
+
+def _apply_bitmap(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor, width: int, numel: int) -> None:
+    n = entry.changed
+    bits_size = _round8(-(-numel // 8))
+    changed = torch.from_numpy(np.unpackbits(payload[: -(-numel // 8)].numpy(), count=numel, bitorder="little").view(bool))
+    if int(changed.sum()) != n:
+        raise BaseMismatchError(f"{entry.name}: a delta's bitmap marks {int(changed.sum())} elements, not its {n} changes")
+    _elements(stored, width)[changed] = payload[bits_size : bits_size + width * n].view(_elements(stored, width).dtype)
