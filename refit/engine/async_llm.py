@@ -42,6 +42,7 @@ import torch
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
+from refit.engine.spec_decode import spec_decode_counts
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
@@ -267,7 +268,7 @@ class AsyncLLMAdapter:
         self._run(self.llm.reset_prefix_cache())
 
     def spec_decode_counts(self) -> tuple[int, int] | None:
-        return None  # AsyncLLM keeps its counters in its stat loggers, which refit does not read yet (docs/draft.md)
+        return spec_decode_counts(self.facts)
 
     def mark_version(self, version: int) -> None:
         pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted

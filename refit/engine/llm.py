@@ -25,6 +25,7 @@ import torch
 
 from refit.engine.config import EngineConfig
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore
+from refit.engine.spec_decode import spec_decode_counts
 from refit.errors import ConfigError, EngineError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
@@ -119,13 +120,7 @@ class LLMAdapter:
         pass
 
     def spec_decode_counts(self) -> tuple[int, int] | None:
-        """From vLLM's in-process metrics (`disable_log_stats=False`, which `EngineConfig(draft_model=...)` sets)."""
-        if self.facts.model_info.draft is None:
-            return None
-        counters = {m.name: getattr(m, "value", None) for m in self.llm.get_metrics()}
-        drafted = counters.get("vllm:spec_decode_num_draft_tokens")
-        accepted = counters.get("vllm:spec_decode_num_accepted_tokens")
-        return None if drafted is None or accepted is None else (int(drafted), int(accepted))
+        return spec_decode_counts(self.facts)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,

@@ -55,3 +55,16 @@ def test_a_trainer_without_a_draft_leaves_the_replicas_draft_alone(actors_factor
     report = refit.sync(trainer, [replica])
     assert run_in(replica, draft_state) == before
     assert report.replicas[0].draft_acceptance >= 0.9  # the draft is its checkpoint, the target the same weights
+
+
+def test_an_async_llm_replica_syncs_its_draft_and_measures_its_acceptance(actors_factory):
+    """AsyncLLM runs its engine core in its own process: the collective transport reaches the workers, and the
+    acceptance is read from the counters of the actor's process."""
+    from actors import AsyncRolloutActor
+
+    trainer = actors_factory.trainer(model_dir(False, "bf16"), draft_dir=str(model_dir(False, "bf16")))
+    config = refit.EngineConfig(model=str(FP8), load_format="dummy", draft_model=str(FP8), max_model_len=128,
+                                kv_cache_bytes=64 << 20)
+    replica = actors_factory.keep(AsyncRolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(config))
+    report = refit.sync(trainer, [replica], refit.SyncConfig(transport="collective"))
+    assert report.replicas[0].draft_acceptance >= 0.9, report.summary()  # a placeholder draft would accept ~none
