@@ -10,7 +10,6 @@ policy-gradient step, and greedy generation as a reference.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 
 import ray
 import torch
@@ -55,9 +54,7 @@ class TrainerActor:
     def _metadata(self) -> list[TensorMeta]:
         metas = CheckpointView(self.model).metadata()
         if self.draft is not None:
-            metas += [replace(m, name=DRAFT_PREFIX + m.name, alias_of=m.alias_of and DRAFT_PREFIX + m.alias_of,
-                              piece_of=m.piece_of and DRAFT_PREFIX + m.piece_of)
-                      for m in CheckpointView(self.draft).metadata()]
+            metas += [m.renamed(lambda name: DRAFT_PREFIX + name) for m in CheckpointView(self.draft).metadata()]
         return metas
 
     def _produce(self, plan: TransferPlan) -> Iterator[WireBucket]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 __all__ = ["TensorMeta", "module_classes"]
 
@@ -18,6 +18,11 @@ class TensorMeta:
     module_classes: tuple[str, ...]  # class names of the owning module's MRO
     alias_of: str | None = None  # a tied parameter: same tensor as `alias_of`
     piece_of: str | None = None  # a piece of this (fused) in-memory parameter, e.g. one expert's gate_proj
+
+    def renamed(self, rename: Callable[[str], str]) -> TensorMeta:
+        """This tensor under `rename`d names, the ones it refers to included (its tied source, its fused parameter)."""
+        return replace(self, name=rename(self.name), alias_of=self.alias_of and rename(self.alias_of),
+                       piece_of=self.piece_of and rename(self.piece_of))
 
 
 def module_classes(metas: Sequence[TensorMeta]) -> dict[str, tuple[str, ...]]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.plan.config import QuantizeOn, SyncConfig
+from refit.plan.config import Draft, QuantizeOn, SyncConfig
 from refit.plan.expected_weights import ExpectedWeight, expected_weights, may_stream
 from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
@@ -178,14 +178,9 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
     rollout's draft model (planned against its own checkpoint), after the target's, unless `config.draft` is
     "frozen" or the rollout has no draft.
     """
-    from refit.plan.config import Draft
-
     target = [m for m in sources if not m.name.startswith(DRAFT_PREFIX)]
     ordered = _planned(target, rollout_model, config)
-    drafts = [replace(m, name=m.name.removeprefix(DRAFT_PREFIX),
-                      alias_of=m.alias_of and m.alias_of.removeprefix(DRAFT_PREFIX),
-                      piece_of=m.piece_of and m.piece_of.removeprefix(DRAFT_PREFIX))
-              for m in sources if m.name.startswith(DRAFT_PREFIX)]
+    drafts = [m.renamed(lambda name: name.removeprefix(DRAFT_PREFIX)) for m in sources if m.name.startswith(DRAFT_PREFIX)]
     if drafts and rollout_model.draft is not None and config.draft is Draft.SYNC:
         ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=DRAFT_PREFIX + t.source)
                     for t in _planned(drafts, rollout_model.draft, config, model="the draft")]
