@@ -11,6 +11,7 @@ pipeline stage gets the embedding's rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -24,29 +25,32 @@ __all__ = ["change_checkpoint_tensors", "load_hf_checkpoint"]
 @torch.no_grad()
 def load_hf_checkpoint(layout: MegatronLayout, model_dir: str | Path) -> None:
     """Fill every parameter of `layout`'s model from the safetensors files in `model_dir`; refuses a missing tensor
-    or a shape that differs, naming it, before anything is written."""
+    or a shape that differs, naming it, before anything is written.
+
+    Each file is opened once, and each slot reads only its rank's rows or columns (`get_slice`), so a rank of a
+    tensor-parallel group reads its share of the checkpoint, not all of it.
+    """
     from safetensors import safe_open
 
     from refit.sharding.megatron.layout import megatron_slots
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, "pt") as f:
-            where.update({name: file for name in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
-    slots = megatron_slots(layout.model, layout.dims, layout.place)
-    problems = [f"{slot.target}: not in {model_dir}" for _, _, slot in slots if slot.target not in where]
-    if problems:
-        raise PlanMismatchError("cannot load the checkpoint into the megatron model:\n  " + "\n  ".join(problems))
-    for name, param in layout.model.named_parameters():
-        if "word_embeddings" in name or "output_layer" in name:
-            param.zero_()  # the padding rows past the checkpoint's vocabulary
-    for _, param, slot in slots:
-        with safe_open(where[slot.target], "pt") as f:
-            full = f.get_tensor(slot.target)
-        if tuple(full.shape) != slot.shape:
-            raise PlanMismatchError(f"{slot.target}: shape {tuple(full.shape)} in {model_dir}, {slot.shape} in the megatron model")
-        slot.write(param, full.narrow(slot.dim, slot.start, slot.stop - slot.start).to(param.dtype))
+    with ExitStack() as files:
+        opened = [files.enter_context(safe_open(file, "pt")) for file in sorted(Path(model_dir).glob("*.safetensors"))]
+        where = {name: f for f in opened for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        slots = megatron_slots(layout.model, layout.dims, layout.place)
+        problems = [f"{slot.target}: not in {model_dir}" for _, _, slot in slots if slot.target not in where]
+        problems += [f"{slot.target}: shape {shape} in {model_dir}, {slot.shape} in the megatron model"
+                     for _, _, slot in slots if slot.target in where
+                     and (shape := tuple(where[slot.target].get_slice(slot.target).get_shape())) != slot.shape]
+        if problems:
+            raise PlanMismatchError("cannot load the checkpoint into the megatron model:\n  " + "\n  ".join(problems))
+        for name, param in layout.model.named_parameters():
+            if "word_embeddings" in name or "output_layer" in name:
+                param.zero_()  # the padding rows past the checkpoint's vocabulary
+        for _, param, slot in slots:
+            full = where[slot.target].get_slice(slot.target)
+            part = full[slot.start:slot.stop] if slot.dim == 0 else full[:, slot.start:slot.stop]
+            slot.write(param, part.to(param.dtype))
 
 
 @torch.no_grad()

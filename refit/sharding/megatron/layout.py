@@ -84,16 +84,17 @@ class MegatronLayout:
             return part  # held whole here (only reached for a tensor the routes gather from one rank)
         group = self._groups[slot.group]
         size = torch.distributed.get_world_size(group)
-        spans = [torch.zeros(2, dtype=torch.int64, device=part.device) for _ in range(size)]
-        torch.distributed.all_gather(spans, torch.tensor([slot.start, slot.stop], device=part.device), group=group)
-        longest = max(int(stop - start) for start, stop in spans)
+        exchanged = [torch.zeros(2, dtype=torch.int64, device=part.device) for _ in range(size)]
+        torch.distributed.all_gather(exchanged, torch.tensor([slot.start, slot.stop], device=part.device), group=group)
+        spans = [(int(start), int(stop)) for start, stop in exchanged]
+        longest = max(stop - start for start, stop in spans)
         padded = torch.zeros(*[longest if d == slot.dim else n for d, n in enumerate(part.shape)], dtype=part.dtype,
                              device=part.device)
         padded.narrow(slot.dim, 0, part.shape[slot.dim]).copy_(part)
         parts = [torch.empty_like(padded) for _ in range(size)]
         torch.distributed.all_gather(parts, padded, group=group)
         whole = torch.empty(slot.shape, dtype=part.dtype, device=part.device)
-        for (start, stop), got in zip([(int(s), int(e)) for s, e in spans], parts):
+        for (start, stop), got in zip(spans, parts):
             whole.narrow(slot.dim, start, stop - start).copy_(got.narrow(slot.dim, 0, stop - start))
         return whole
 
