@@ -219,13 +219,12 @@ def kept_vllm_warnings(rollout, also: str) -> list[str]:
 
 def engine_state(rollout) -> dict[str, str]:
     """Run in a `RolloutActor`: a hash of every parameter of its engine's model (FP8 codes and scales included)."""
+    return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.model))[0]
 
-    def hashes(worker) -> dict[str, str]:
-        model = worker.model_runner.model
-        return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-                for name, p in model.named_parameters()}
 
-    return rollout.engine.llm.collective_rpc(hashes)[0]
+def _parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
+    return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, p in model.named_parameters()}
 
 
 def change_trainer(trainer, names: list[str], change) -> None:
@@ -253,13 +252,7 @@ def change_megatron(rank, names: list[str], change) -> int:
 
 def draft_state(rollout) -> dict[str, str]:
     """Run in a `RolloutActor`: a hash of every parameter of its engine's speculative draft model."""
-
-    def hashes(worker) -> dict[str, str]:
-        model = worker.model_runner.get_draft_model()
-        return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-                for name, p in model.named_parameters()}
-
-    return rollout.engine.llm.collective_rpc(hashes)[0]
+    return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.get_draft_model()))[0]
 
 
 def draft_like_policy(trainer) -> None:
