@@ -174,14 +174,14 @@ def _serve(vllm_args: list[str]) -> int:
 
     import torch
 
-    from refit.engine.server import serve_arguments, serve_environment, serve_key
+    from refit.engine.server import key_argument, serve_arguments, serve_environment, serve_key
     from refit.engine.server_gate import KEY_ENV
     from refit.import_heap import collector_paused, freeze_import_heap
 
     added = serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())  # refuses clashes
     key, source = serve_key(vllm_args, dict(os.environ))
     # vLLM's own check of /v1 routes takes the same key (not a VLLM_API_KEY that differs); this argv stays in-process.
-    argv = ["serve", *vllm_args, *added, *([] if source == "--api-key" else ["--api-key", key])]
+    argv = ["serve", *vllm_args, *added, *key_argument(key, source)]
     os.environ.update(serve_environment(vllm_args, key))  # before vLLM reads it; its engine processes inherit it
     if source is None:
         print(f"refit serve: no API key was given (--api-key, {KEY_ENV} or VLLM_API_KEY), so every route requires "

@@ -92,7 +92,7 @@ from refit.plan.config import Pause, SyncConfig
 from refit.tokens import token_prompts
 from refit.transport.collective import JOIN_MARGIN_S
 
-__all__ = ["DEV_MODE_ENV", "GATE_MIDDLEWARE", "ServerAdapter", "serve_arguments", "serve_key", "server_replica"]
+__all__ = ["DEV_MODE_ENV", "GATE_MIDDLEWARE", "ServerAdapter", "key_argument", "serve_arguments", "serve_key", "server_replica"]
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 """The environment a server needs: vLLM registers `/collective_rpc`, `/pause` and the RL routes only in dev mode."""
@@ -157,6 +157,15 @@ def serve_key(options: Sequence[str], environ: dict[str, str]) -> tuple[str, str
         if environ.get(name):
             return environ[name], name
     return secrets.token_urlsafe(32), None
+
+
+def key_argument(key: str, source: str | None) -> list[str]:
+    """vLLM's `--api-key` for the server's key, unless the options gave it already.
+
+    One `--api-key=KEY` element: a key that starts with "-" (a generated `token_urlsafe` one does, 1 time in 64)
+    would read as another option after a separate `--api-key`, and vLLM's parser would refuse to start.
+    """
+    return [] if source == "--api-key" else [f"--api-key={key}"]
 
 
 def serve_environment(options: Sequence[str], key: str) -> dict[str, str]:

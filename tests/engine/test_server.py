@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
-from refit.engine.server import GATE_MIDDLEWARE, serve_arguments, serve_environment, serve_key
+from refit.engine.server import GATE_MIDDLEWARE, key_argument, serve_arguments, serve_environment, serve_key
 from refit.engine.server_gate import DUMMY_ENV
 from refit.engine.worker_rpc import SERVER_METHODS, RefitWorkerExtension, WorkerCalls, decode_reply, encode_call
 from refit.errors import ConfigError, EngineError, ServerError, VerificationError
@@ -192,6 +192,17 @@ def test_the_servers_key_is_the_api_key_option_else_refits_else_vllms_env_else_g
     assert source is None and len(key) >= 40 and key != serve_key(["m"], {})[0]
     with pytest.raises(ConfigError, match=r"--api-key takes one key with refit serve \(2 given\)"):
         serve_key(["--api-key", "a", "b"], {})
+
+
+@pytest.mark.parametrize("key", ["-starts-with-a-dash", "--looks-like-an-option", "plain"])
+def test_any_key_reaches_vllms_own_parser_as_one_key(key):
+    """A generated key starts with "-" one time in 64; as a separate argument vLLM's parser took it for an option."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    assert parser.parse_args(key_argument(key, "REFIT_API_KEY")).api_key == [key]
+    assert key_argument(key, "--api-key") == []  # given among the options already
 
 
 def test_a_dummy_load_is_told_to_the_gate():
