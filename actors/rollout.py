@@ -35,8 +35,10 @@ class RolloutActor(ReplicaShell):
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
         temperature: float = 0.0, n: int = 1, seed: int | None = None,
     ) -> Generation:
-        """`n` continuations per token-id prompt; waits out an update, refuses while refusing."""
-        with self.replica.request():
+        """`n` continuations per token-id prompt, on the served adapter if there is one, tagged with the version
+        and adapter that produced them; waits out an update, refuses while refusing."""
+        with self.replica.request() as serving:
             return self.engine.generate(
-                prompts, max_tokens, prompt_logprobs=prompt_logprobs, temperature=temperature, n=n, seed=seed
+                prompts, max_tokens, prompt_logprobs=prompt_logprobs, temperature=temperature, n=n, seed=seed,
+                serving=serving,
             )

@@ -9,11 +9,13 @@ policy-gradient step, and greedy generation as a reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import ray
 import torch
 
+from refit.adapters.peft_source import MergedLora, peft_adapter
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.data_path import produce_buckets
@@ -30,12 +32,17 @@ __all__ = ["TrainerActor"]
 @delegate_to_weights
 class TrainerActor:
     def __init__(self, model_dir: str, *, lr: float = 1e-3, seed: int = 0, reinitialize: bool = False,
-                 draft_dir: str | None = None) -> None:
+                 draft_dir: str | None = None, lora: Mapping[str, Any] | None = None, adapter_name: str = "policy") -> None:
         """Load a causal LM (bf16) from `model_dir`; `reinitialize` re-draws its weights from `seed`.
 
         `draft_dir`: a speculative draft model trained beside the policy (each `train_step` trains it on the same
         sequences); its tensors are reported as `draft.` + their checkpoint names, which syncs send to the
-        replicas' draft models (docs/draft.md)."""
+        replicas' draft models (docs/draft.md).
+
+        `lora`: train a LoRA adapter over the frozen base instead of the whole model (peft's `LoraConfig` keywords,
+        e.g. `{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}`). `Syncer.sync_adapter` then
+        sends the adapter alone, as `adapter_name`; `Syncer.sync` sends the base with the adapter merged in, for
+        rollouts that serve no LoRA (docs/lora.md)."""
         with collector_paused():
             from transformers import AutoConfig, AutoModelForCausalLM
         freeze_import_heap()
@@ -46,20 +53,30 @@ class TrainerActor:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.model = self.model.to(torch.bfloat16)
         self.draft = None if draft_dir is None else AutoModelForCausalLM.from_pretrained(draft_dir).to(torch.bfloat16)
+        self._merged = None
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**lora))  # the base is frozen, the adapter trains
+            self._merged = MergedLora(self.model)
         self._init_training(lr)
-        self.weights = TrainerWeights(self._metadata, self._produce)
+        adapter = None if lora is None else (lambda: peft_adapter(self.model, adapter_name))
+        self.weights = TrainerWeights(self._metadata, self._produce, adapter=adapter)
 
     # -- weight source protocol: `weight_metadata`, `stream_buckets` and the optional methods come from
     # `self.weights` (refit/source_methods.py); the model's forward pass is this class's own.
+    def _policy_view(self) -> CheckpointView | MergedLora:
+        return self._merged if self._merged is not None else CheckpointView(self.model)
+
     def _metadata(self) -> list[TensorMeta]:
-        metas = CheckpointView(self.model).metadata()
+        metas = self._policy_view().metadata()
         if self.draft is not None:
             metas += [m.renamed(lambda name: DRAFT_PREFIX + name) for m in CheckpointView(self.draft).metadata()]
         return metas
 
     def _produce(self, plan: TransferPlan) -> Iterator[WireBucket]:
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
-        policy = CheckpointView(self.model).tensor
+        policy = self._policy_view().tensor
         draft = None if self.draft is None else CheckpointView(self.draft).tensor
 
         def tensor(name: str) -> torch.Tensor:

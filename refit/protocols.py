@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, Literal, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
+    from refit.adapters import AdapterMeta, AdapterWeights
     from refit.engine.lifecycle import FinishedUpdate, ReplicaStatus
     from refit.plan.config import SyncConfig
     from refit.plan.tensors import TensorMeta
@@ -177,6 +178,17 @@ class FullWeightSource(WeightSource, Protocol):
         ...
 
     @optional()
+    def adapter_meta(self) -> AdapterMeta:
+        """The LoRA adapter it trains, described without its bytes (name, PEFT config, shapes, digest);
+        `Syncer.sync_adapter` checks it against the rollout's base before anything is sent."""
+        ...
+
+    @optional()
+    def adapter_weights(self) -> AdapterWeights:
+        """The LoRA adapter it trains (`refit.adapters.AdapterWeights`), returned once into Ray's object store."""
+        ...
+
+    @optional()
     def last_stream_stats(self) -> dict[str, float]:
         """What the last stream cost: "seconds" spent checking, quantizing and packing (the sync report's trainer
         time) and, from a rank of a sharded trainer, "gathered_bytes" it received from all-gathers."""
@@ -304,6 +316,23 @@ class FullRolloutReplica(RolloutReplica, Protocol):
     @optional("serve")
     def scale_records(self) -> list[ScaleRecord]:
         """Where every scale came from (also while refusing: that is when it matters most)."""
+        ...
+
+    @optional("update")
+    def stage_adapter(self, sync_id: str, version: int, adapter: AdapterWeights, timeout_s: float) -> str:
+        """Install a LoRA adapter from memory as `version`, beside the one served and serving no one yet; returns the
+        digest of the bytes the engine holds. Unloads the adapter the last swap retired first (its requests get up to
+        `timeout_s`). A failure leaves the served adapter serving (`refit.Syncer.sync_adapter`, docs/lora.md)."""
+        ...
+
+    @optional("update")
+    def serve_adapter(self, sync_id: str, version: int) -> dict:
+        """New requests run on the staged `version` from now on; running ones finish on the adapter it replaces."""
+        ...
+
+    @optional("update")
+    def unstage_adapter(self, sync_id: str, version: int) -> None:
+        """Drop `sync_id`'s staged `version` (the adapter sync failed elsewhere in the fleet); the served one stays."""
         ...
 
 

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from refit.adapters.weights import AdapterMeta, AdapterWeights
+from refit.errors import ConfigError
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
@@ -35,11 +37,14 @@ class TrainerWeights:
     """The source methods of one trainer process, over `metadata()` and `produce(plan)` (its buckets, or its parts)."""
 
     def __init__(self, metadata: Callable[[], list[TensorMeta]], produce: Callable[[TransferPlan], Iterator[WireBucket]],
-                 stats: Callable[[], dict[str, float]] | None = None) -> None:
-        """`stats`: what else the last stream cost, beside its seconds (a rank's gathered bytes, say)."""
+                 stats: Callable[[], dict[str, float]] | None = None,
+                 adapter: Callable[[], AdapterWeights] | None = None) -> None:
+        """`stats`: what else the last stream cost, beside its seconds (a rank's gathered bytes, say); `adapter`: the
+        LoRA adapter the model trains, for adapter-only syncs (`refit.adapters.peft_adapter` makes one of a peft model)."""
         self._metadata = metadata
         self._produce = produce
         self._stats = stats
+        self._adapter = adapter
         self.sender = TransportSender()
         self._stream_seconds = 0.0
 
@@ -64,6 +69,15 @@ class TrainerWeights:
 
     def transport_group(self) -> str | None:
         return self.sender.group_id()
+
+    def adapter_meta(self) -> AdapterMeta:
+        return self.adapter_weights().meta()
+
+    def adapter_weights(self) -> AdapterWeights:
+        if self._adapter is None:
+            raise ConfigError("this trainer trains no LoRA adapter (TrainerActor(..., lora={...}) does); "
+                              "sync its weights with Syncer.sync() instead")
+        return self._adapter()
 
     def last_stream_stats(self) -> dict[str, float]:
         return {"seconds": self._stream_seconds, **(self._stats() if self._stats is not None else {})}

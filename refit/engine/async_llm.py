@@ -39,8 +39,10 @@ from typing import Any
 
 import torch
 
+from refit.adapters import AdapterWeights, ServedAdapter
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
+from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
 from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
@@ -62,7 +64,8 @@ class Completion:
 
     `version`: the refit version served when the request was admitted (None:
     the weights the engine started with); with `pause="wait"` every token
-    of it comes from those weights. `aborted`: an update ended it early
+    of it comes from those weights. `adapter`: likewise, the LoRA adapter
+    (an adapter swap never moves a running request to another one). `aborted`: an update ended it early
     (`pause="abort"`); its tokens so far are kept.
     """
 
@@ -71,6 +74,7 @@ class Completion:
     version: int | None
     aborted: bool = False
     prompt_logprobs: list[float | None] | None = None
+    adapter: ServedAdapter | None = None  # the LoRA adapter served when it was admitted, which it ran with
 
 
 def start_async_llm(config: EngineConfig) -> Any:
@@ -136,7 +140,7 @@ class AsyncReplica:
         self, prompt: Sequence[int], max_tokens: int = 8, *, temperature: float = 0.0, seed: int | None = None
     ) -> Completion:
         """One request: its tokens, logprobs, the version that produced them, and whether an update aborted it."""
-        return await self.engine.serve(prompt, max_tokens, self.core.status, temperature=temperature, seed=seed)
+        return await self.engine.serve(prompt, max_tokens, self.core, temperature=temperature, seed=seed)
 
     # -- the update steps (ReplicaCore's, in submission order) --------------------------------
     async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
@@ -159,6 +163,15 @@ class AsyncReplica:
     async def abort_update(self, sync_id: str, reason: str) -> ReplicaStatus:
         return await self._step(self.core.abort_update, sync_id, reason)
 
+    async def stage_adapter(self, sync_id: str, version: int, adapter: AdapterWeights, timeout_s: float) -> str:
+        return await self._step(self.core.stage_adapter, sync_id, version, adapter, timeout_s)
+
+    async def serve_adapter(self, sync_id: str, version: int) -> dict[str, Any]:
+        return await self._step(self.core.serve_adapter, sync_id, version)
+
+    async def unstage_adapter(self, sync_id: str, version: int) -> None:
+        await self._step(self.core.unstage_adapter, sync_id, version)
+
 
 class AsyncLLMAdapter:
     """`ReplicaCore`'s access to an `AsyncLLM`, and the request gate (see the module docstring).
@@ -170,6 +183,8 @@ class AsyncLLMAdapter:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.facts = EngineFacts.of(llm.vllm_config)
+        self.lora_rank = lora_rank_of(llm.vllm_config)
+        self.worker_calls_beside_requests = True  # they queue in the engine core between its steps
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `AsyncReplica` before it calls the core
         self._gate = asyncio.Event()  # set: requests may enter the engine
         self._gate.set()
@@ -181,12 +196,12 @@ class AsyncLLMAdapter:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     # -- requests (on the loop) ---------------------------------------------------------
-    async def serve(self, prompt: Sequence[int], max_tokens: int, status: Callable[[], ReplicaStatus], *,
+    async def serve(self, prompt: Sequence[int], max_tokens: int, core: ReplicaCore, *,
                     temperature: float = 0.0, seed: int | None = None) -> Completion:
-        """One user request, admitted at the gate and tagged with the version served when it was."""
+        """One user request, admitted at the gate and tagged with the version and adapter served when it was."""
         while True:
             await self._gate.wait()  # an update holds new requests here
-            state = status()
+            state = core.status()
             if state.phase is Phase.REFUSING:
                 raise ReplicaRefusingError(f"this replica refuses to serve: {state.reason}")
             if state.phase is Phase.SERVING and self._gate.is_set():
@@ -195,12 +210,13 @@ class AsyncLLMAdapter:
         self._admitting += 1  # no await since the gate check: an update cannot slip in between
         self._in_flight += 1
         try:
-            try:
-                queue = await self._admit(prompt, max_tokens, temperature=temperature, seed=seed)
-            finally:
-                self._admitting -= 1
-                await self._notify()
-            return await self._collect(queue, state.served_version)
+            with core.adapters.using() as adapter:  # loaded until the request ends
+                try:
+                    queue = await self._admit(prompt, max_tokens, temperature=temperature, seed=seed, adapter=adapter)
+                finally:
+                    self._admitting -= 1
+                    await self._notify()
+                return await self._collect(queue, state.served_version, adapter)
         finally:
             self._in_flight -= 1
             await self._notify()
@@ -210,7 +226,7 @@ class AsyncLLMAdapter:
             self._admitted.notify_all()
 
     async def _admit(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0, seed: int | None = None,
-                     prompt_logprobs: bool = False):
+                     prompt_logprobs: bool = False, adapter: ServedAdapter | None = None):
         """Send one request to the engine core; returns its output queue once the core has it in order.
 
         Split from `_collect` so a request counts as in the engine before an update's pause is sent after it.
@@ -223,9 +239,10 @@ class AsyncLLMAdapter:
             temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0, detokenize=False,
             prompt_logprobs=0 if prompt_logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        return await self.llm.add_request(uuid.uuid4().hex, {"prompt_token_ids": list(checked)}, params)
+        return await self.llm.add_request(uuid.uuid4().hex, {"prompt_token_ids": list(checked)}, params,
+                                          lora_request=None if adapter is None else adapter.lora_request())
 
-    async def _collect(self, queue, version: int | None) -> Completion:
+    async def _collect(self, queue, version: int | None, adapter: ServedAdapter | None = None) -> Completion:
         """Wait for the request's final output; abort it if the caller gives up."""
         try:
             while True:
@@ -240,7 +257,7 @@ class AsyncLLMAdapter:
         prompt = None
         if out.prompt_logprobs is not None:
             prompt = [None if step is None else step[tok].logprob for step, tok in zip(out.prompt_logprobs, out.prompt_token_ids)]
-        return Completion(list(completion.token_ids), logprobs, version, completion.finish_reason == "abort", prompt)
+        return Completion(list(completion.token_ids), logprobs, version, completion.finish_reason == "abort", prompt, adapter)
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:

@@ -68,6 +68,10 @@ class EngineConfig:
     num_speculative_tokens: int = 2
     """Tokens the draft proposes per step, when there is a draft."""
 
+    lora_rank: int | None = None
+    """Serve LoRA adapters of rank up to this, synced from memory by `Syncer.sync_adapter` (docs/lora.md);
+    None: no LoRA (a LoRA trainer's full sync then sends its adapter merged into the base)."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Any other `vllm.LLM` keyword."""
 
@@ -79,6 +83,9 @@ class EngineConfig:
             problems.append(f"load_format={self.load_format!r}: expected 'auto', 'dummy' or 'safetensors'")
         if self.draft_model is not None and (not isinstance(self.draft_model, (str, Path)) or not str(self.draft_model)):
             problems.append(f"draft_model={self.draft_model!r}: expected the path of a local checkpoint directory or None")
+        if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int)
+                                           or self.lora_rank < 1):
+            problems.append(f"lora_rank={self.lora_rank!r}: expected a positive int or None")
         for name in ("max_model_len", "tensor_parallel_size", "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,9 +98,11 @@ class EngineConfig:
             isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1
         ):
             problems.append(f"memory_fraction={self.memory_fraction!r}: expected a number in (0, 1] or None")
-        reserved = sorted(set(_SET_BY_REFIT + ("gpu_memory_utilization", "speculative_config")) & set(self.extra))
+        reserved = sorted(set(_SET_BY_REFIT + ("gpu_memory_utilization", "speculative_config") + tuple(lora_settings(1)))
+                          & set(self.extra))
         if reserved:
-            problems.append(f"extra sets {reserved}: refit sets these (use kv_cache_bytes / memory_fraction / draft_model)")
+            problems.append(
+                f"extra sets {reserved}: refit sets these (use kv_cache_bytes / memory_fraction / draft_model / lora_rank)")
         if problems:
             raise ConfigError("invalid EngineConfig:\n  " + "\n  ".join(problems))
 
@@ -146,7 +155,7 @@ class EngineConfig:
             "seed": self.seed,
             # Rollouts exchange token ids with the trainer; no tokenizer needed.
             "skip_tokenizer_init": True,
-            **engine_kwargs(on_gpu=on_gpu, kv_cache_bytes=self.kv_cache_bytes),
+            **engine_kwargs(on_gpu=on_gpu, kv_cache_bytes=self.kv_cache_bytes, lora_rank=self.lora_rank),
             **({"gpu_memory_utilization": self.memory_fraction} if self.memory_fraction is not None else {}),
             **self._speculative(),
             **self.extra,
@@ -161,7 +170,19 @@ class EngineConfig:
                 "disable_log_stats": False}
 
 
-def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = None) -> dict[str, Any]:
+ADAPTER_SLOTS = 2
+"""LoRA adapters an engine holds at once: the one it serves, and the one it retires or stages beside it."""
+
+
+def lora_settings(max_rank: int | None) -> dict[str, Any]:
+    """The engine arguments for LoRA adapters of rank up to `max_rank` (None: no LoRA)."""
+    if max_rank is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": ADAPTER_SLOTS, "max_cpu_loras": ADAPTER_SLOTS}
+
+
+def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = None,
+                  lora_rank: int | None = None) -> dict[str, Any]:
     """The engine arguments refit needs, to merge into your own `vllm.LLM(...)` or `AsyncEngineArgs(...)`.
 
     Its worker extension (`worker_extension_cls`: the methods a sync calls
@@ -170,8 +191,11 @@ def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = No
     (`on_gpu=False`; None: no CUDA device here) a KV cache of
     `kv_cache_bytes` (default `DEFAULT_CPU_KV_CACHE_BYTES`), because vLLM's
     CPU backend otherwise reserves 92% of the whole machine per engine; on a
-    GPU vLLM's own sizing unless `kv_cache_bytes` is given. Keys you set
-    yourself after merging win, but refit needs the first two as given.
+    GPU vLLM's own sizing unless `kv_cache_bytes` is given; with
+    `lora_rank`, LoRA adapters up to that rank, with room for two at once
+    (one served, one staged or retiring: `Syncer.sync_adapter` swaps them).
+    Keys you set yourself after merging win, but refit needs the first two
+    as given.
     """
     if on_gpu is None:
         import torch
@@ -180,4 +204,4 @@ def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = No
     kwargs: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION, "weight_transfer_config": {"backend": TRANSFER_BACKEND}}
     if kv_cache_bytes is not None or not on_gpu:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
-    return kwargs
+    return kwargs | lora_settings(lora_rank)

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 
+from refit.adapters.serving import ServedAdapter
 from refit.errors import LifecycleError, ReplicaRefusingError, SyncTimeoutError
 
 __all__ = ["FinishedUpdate", "Phase", "ReplicaStatus", "UpdateLifecycle"]
@@ -50,9 +51,12 @@ class ReplicaStatus:
     served_version: int | None  # the version of the weights it serves (None: what it started with)
     reason: str | None = None  # why it refuses, when it does
     sync_id: str | None = None  # the sync whose update is open, when updating
+    adapter: ServedAdapter | None = None  # the LoRA adapter new requests run with (refit/adapters/)
 
     def __str__(self) -> str:
         version = "its initial weights" if self.served_version is None else f"v{self.served_version}"
+        if self.adapter is not None:
+            version += f" with adapter {self.adapter}"
         if self.phase is Phase.SERVING:
             return f"serving {version}"
         if self.phase is Phase.UPDATING:
@@ -93,6 +97,7 @@ class UpdateLifecycle:
         self._update: _Update | None = None
         self._highest_version = 0
         self._requests = 0
+        self._quiet = False  # `quiesced`: new requests wait, the phase does not change
 
     def status(self) -> ReplicaStatus:
         with self._cond:
@@ -109,7 +114,7 @@ class UpdateLifecycle:
     def request(self, *, allow_refusing: bool = False) -> Iterator[None]:
         """Run a request on a whole model: waits out an update (bounded by its lease), refuses if refusing."""
         with self._cond:
-            self._cond.wait_for(lambda: self._status.phase is not Phase.UPDATING)
+            self._cond.wait_for(lambda: self._status.phase is not Phase.UPDATING and not self._quiet)
             if self._status.phase is Phase.REFUSING and not allow_refusing:
                 raise ReplicaRefusingError(f"this replica refuses to serve: {self._status.reason}")
             self._requests += 1
@@ -118,6 +123,28 @@ class UpdateLifecycle:
         finally:
             with self._cond:
                 self._requests -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def quiesced(self, timeout_s: float) -> Iterator[None]:
+        """No request runs inside this: new ones wait, and it waits (bounded) for those in flight.
+
+        For a change beside the weights that an engine cannot take while it
+        generates (an adapter installed into an in-process `vllm.LLM`); the
+        served version does not change, so it is not an update.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: not self._quiet)
+            self._quiet = True
+            if not self._cond.wait_for(lambda: self._requests == 0, timeout=timeout_s):
+                self._quiet = False
+                self._cond.notify_all()
+                raise SyncTimeoutError(f"{self._requests} request(s) still running after {timeout_s:.0f} s; nothing was changed")
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._quiet = False
                 self._cond.notify_all()
 
     # -- updating ------------------------------------------------------------

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from refit.engine.config import EngineConfig
-from refit.engine.replica import EngineFacts, Generation, ReplicaCore
+from refit.engine.lora import lora_rank_of
+from refit.engine.replica import EngineFacts, Generation, ReplicaCore, Serving
 from refit.engine.spec_decode import spec_decode_counts
 from refit.errors import ConfigError, EngineError
 from refit.import_heap import collector_paused, freeze_import_heap
@@ -81,6 +82,9 @@ class LLMAdapter:
         self.llm = llm
         self.facts = EngineFacts.of(llm.llm_engine.vllm_config)
         self.engine_core_in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
+        self.lora_rank = lora_rank_of(llm.llm_engine.vllm_config)
+        # `collective_rpc` runs on the calling thread, beside a `generate` on another: never while one runs.
+        self.worker_calls_beside_requests = False
 
     def check(self, config: SyncConfig) -> None:
         if config.pause is not Pause.WAIT:
@@ -124,9 +128,10 @@ class LLMAdapter:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
-        temperature: float = 0.0, n: int = 1, seed: int | None = None,
+        temperature: float = 0.0, n: int = 1, seed: int | None = None, serving: Serving | None = None,
     ) -> Generation:
-        """`n` continuations per token-id prompt (greedy at temperature 0)."""
+        """`n` continuations per token-id prompt (greedy at temperature 0); `serving`: what `ReplicaCore.request()`
+        admitted the batch on, its adapter applied and both tagged on the result (None: the base, untagged)."""
         from vllm import SamplingParams
 
         checked = token_prompts(prompts, vocab_size=self.facts.vocab_size)
@@ -134,8 +139,10 @@ class LLMAdapter:
             temperature=temperature, max_tokens=max_tokens, n=n, seed=seed, logprobs=0,
             prompt_logprobs=0 if prompt_logprobs else None, detokenize=False,
         )
+        adapter = None if serving is None else serving.adapter
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in checked], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in checked], params, use_tqdm=False,
+                                        lora_request=None if adapter is None else adapter.lora_request())
         except BaseException:
             self._abort_unfinished()
             raise
@@ -149,7 +156,8 @@ class LLMAdapter:
                         None if step is None else step[tok].logprob
                         for step, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
                     ])
-        return Generation(token_ids, logprobs, prompt_lps if prompt_logprobs else None)
+        return Generation(token_ids, logprobs, prompt_lps if prompt_logprobs else None,
+                          None if serving is None else serving.version, adapter)
 
     def _abort_unfinished(self) -> None:
         # A request that raised inside the forward stays scheduled; left there,

@@ -31,13 +31,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
+from refit.adapters import AdapterSlots, AdapterWeights, ServedAdapter, check_adapter
 from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
-from refit.errors import InvalidTensorError, LifecycleError, PlanMismatchError, VerificationError
+from refit.errors import ConfigError, InvalidTensorError, LifecycleError, PlanMismatchError, VerificationError
 from refit.plan.config import Pause, SyncConfig, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -51,12 +52,14 @@ from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, probe_prompts, thresholds_for
 
 __all__ = [
-    "EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation", "delegate_to_replica",
+    "EngineAdapter", "EngineFacts", "Generation", "ReplicaCore", "ReplicaMethods", "ReplicaObservation", "Serving",
+    "delegate_to_replica",
 ]
 
 log = logging.getLogger("refit.engine")
 
 _WATCHDOG_PERIOD_S = 0.5
+_UNLOAD_WAIT_S = 60.0  # for the requests in flight, before a retired adapter is unloaded from an engine that must be idle
 
 _C = TypeVar("_C")
 
@@ -68,6 +71,8 @@ class Generation:
     token_ids: list[list[int]]
     logprobs: list[list[float]]  # of each generated token
     prompt_logprobs: list[list[float | None]] | None
+    version: int | None = None  # of the weights that produced them (None: what the engine started with)
+    adapter: ServedAdapter | None = None  # the LoRA adapter they ran with, if any
 
 
 DRAFT_PROBE_TOKENS = 16
@@ -113,6 +118,24 @@ class EngineAdapter(Protocol):
         """(draft tokens proposed, draft tokens accepted) since the engine started, or None where it has no draft
         model or does not count them."""
 
+    lora_rank: int | None
+    """The engine's `max_lora_rank`; None: it serves no LoRA adapters (`stage_adapter` refuses)."""
+
+    worker_calls_beside_requests: bool
+    """Whether its workers may be called while it generates (an `AsyncLLM`'s calls queue between engine steps); if
+    not, installing or unloading an adapter waits for the requests in flight and holds new ones meanwhile."""
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What one request runs on, fixed when it is admitted: the weights' version and the adapter, if any.
+
+    `ReplicaCore.request()` yields it; pass `adapter.lora_request()` to vLLM's `generate` when `adapter` is set.
+    """
+
+    version: int | None  # None: the weights the engine started with
+    adapter: ServedAdapter | None
+
 
 class ReplicaCore:
     def __init__(self, engine: EngineAdapter) -> None:
@@ -131,6 +154,7 @@ class ReplicaCore:
         self._digest: tuple[str, str] | None = None  # (transport, digest) of the served version's base
         self._workers_keep_base = False
         self._acceptance: float | None = None  # the draft's, measured after the last sync
+        self.adapters = AdapterSlots()  # the LoRA adapter served, retiring and staged (refit/adapters/serving.py)
         self._closed = threading.Event()
         threading.Thread(target=self._watch_leases, name="refit-lease-watchdog", daemon=True).start()
 
@@ -139,7 +163,7 @@ class ReplicaCore:
         return self.facts.model_info
 
     def status(self) -> ReplicaStatus:
-        return self.lifecycle.status()
+        return replace(self.lifecycle.status(), adapter=self.adapters.serving)
 
     def transport_ranks(self) -> int:
         """How many ranks this replica takes in a collective group: one per vLLM worker."""
@@ -162,10 +186,11 @@ class ReplicaCore:
 
     # -- serving ------------------------------------------------------------------------
     @contextmanager
-    def request(self, *, allow_refusing: bool = False) -> Iterator[None]:
-        """Run a request on a whole model: waits out an update, refuses while refusing (see `UpdateLifecycle.request`)."""
-        with self.lifecycle.request(allow_refusing=allow_refusing):
-            yield
+    def request(self, *, allow_refusing: bool = False) -> Iterator[Serving]:
+        """Run a request on a whole model: waits out an update, refuses while refusing (see `UpdateLifecycle.request`);
+        yields the version and adapter it runs on (the adapter stays loaded until the request ends)."""
+        with self.lifecycle.request(allow_refusing=allow_refusing), self.adapters.using() as adapter:
+            yield Serving(self.lifecycle.status().served_version, adapter)
 
     def scale_records(self) -> list[ScaleRecord]:
         """Where every scale came from (also while refusing: that is when it matters most)."""
@@ -312,6 +337,73 @@ class ReplicaCore:
             if self._workers_keep_base:
                 self.workers.drop_base()
                 self._workers_keep_base = False
+
+    # -- LoRA adapters (refit/adapters/): staged on every replica, then served; the base is never touched ----------
+    def stage_adapter(self, sync_id: str, version: int, adapter: AdapterWeights, timeout_s: float) -> str:
+        """Install `adapter` as `version` beside the one served, serving it to no one yet; returns the digest of the
+        bytes the engine now holds. First unloads the adapter retired by the last swap, waiting up to `timeout_s`
+        for its last requests. A failure leaves the served adapter serving, and nothing new installed."""
+        if self.engine.lora_rank is None:
+            raise ConfigError(
+                "this replica's engine serves no LoRA adapters: start it with EngineConfig(lora_rank=...) (a `vllm serve` "
+                "replica cannot take adapters from memory, docs/lora.md)"
+            )
+        check_adapter(adapter.meta(), self.facts.model_info.weights, self.engine.lora_rank)
+        with self._lock:
+            if self.lifecycle.open_update() is not None:
+                raise LifecycleError(f"stage_adapter during sync {self.lifecycle.open_update()}'s update; run it after")
+            staged, abandoned = self.adapters.stage(sync_id, adapter.name, version, stale_after_s=max(timeout_s, 1.0))
+            try:
+                with self._worker_calls(timeout_s):
+                    for old in (abandoned, self.adapters.retired(timeout_s)):
+                        if old is not None:
+                            self.workers.remove_adapter(old.lora_id)
+                    digests = set(self.workers.add_adapter(staged.lora_id, adapter))
+            except BaseException:
+                self.adapters.unstage(sync_id, version)
+                self._unload_quietly(staged, timeout_s)
+                raise
+            if len(digests) != 1:
+                self.adapters.unstage(sync_id, version)
+                self._unload_quietly(staged, timeout_s)
+                raise VerificationError(f"adapter {staged}: the engine's workers hold different bytes ({sorted(digests)})")
+            return digests.pop()
+
+    def serve_adapter(self, sync_id: str, version: int) -> dict[str, Any]:
+        """New requests run on the staged `version` from now on; requests running finish on the one it replaces,
+        unloaded now if none runs, else by the next `stage_adapter`. Returns what was swapped, as plain data."""
+        with self._lock:
+            served = self.adapters.serve(sync_id, version)
+            retired, unloaded = self.adapters.retiring, None
+            if retired is not None and self.adapters.retired(None) is not None:
+                self._unload_quietly(retired, timeout_s=None)
+                unloaded = str(retired)
+            self._record(sync_id, None, f"serving adapter {served}", adapter=str(served))
+            return {"serving": str(served), "retired": None if retired is None else str(retired), "unloaded": unloaded}
+
+    def unstage_adapter(self, sync_id: str, version: int) -> None:
+        """Drop `sync_id`'s staged `version` (the fleet's adapter sync failed elsewhere); the served one stays."""
+        with self._lock:
+            staged = self.adapters.unstage(sync_id, version)
+            if staged is not None:
+                self._unload_quietly(staged, timeout_s=None)
+
+    @contextmanager
+    def _worker_calls(self, timeout_s: float) -> Iterator[None]:
+        """Where the workers may be called beside requests: here. Elsewhere with no request running (bounded)."""
+        if self.engine.worker_calls_beside_requests:
+            yield
+        else:
+            with self.lifecycle.quiesced(timeout_s):
+                yield
+
+    def _unload_quietly(self, adapter: ServedAdapter, timeout_s: float | None) -> None:
+        """Unload an adapter no request can name any more; a failure leaves it loaded (memory, not correctness)."""
+        try:
+            with self._worker_calls(timeout_s if timeout_s is not None else _UNLOAD_WAIT_S):
+                self.workers.remove_adapter(adapter.lora_id)
+        except Exception as error:  # noqa: BLE001 - the swap itself has succeeded or failed already
+            log.warning("could not unload adapter %s: %r", adapter, error)
 
     # -- the steps' parts -----------------------------------------------------------------
     def _begin_base(self, config: SyncConfig) -> None:

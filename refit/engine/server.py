@@ -225,6 +225,10 @@ class ServerAdapter:
                               f"{_KEY_HINT}")
         self._key = key
         self._marked = False  # whether the update the hold is for was verified (`mark_version`)
+        # vLLM's routes name a LoRA adapter by a directory it loads (`/v1/load_lora_adapter`), and a request names
+        # it by model name, which only vLLM's serving layer knows: one installed from memory is unreachable there.
+        self.lora_rank: int | None = None
+        self.worker_calls_beside_requests = True  # `/collective_rpc` queues in the engine core between its steps
         self._require_health()
         state = self._request("GET", "/refit/state")
         if not (isinstance(state, dict) and state.get("refit_gate") is True):

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refit import errors
+from refit.adapters.weights import AdapterWeights
 from refit.errors import ConfigError, EngineError, RefitError
 from refit.plan.config import Transport
 from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan
@@ -115,6 +116,14 @@ class WorkerCalls:
 
     def leave_group(self) -> None:
         self._call("refit_leave_group")
+
+    def add_adapter(self, lora_id: int, adapter: AdapterWeights) -> list[str]:
+        """Install `adapter` from memory as vLLM's LoRA `lora_id`, pinned, in every worker; each worker's digest of
+        the bytes it installed (refit/engine/lora.py)."""
+        return self._call("refit_add_adapter", lora_id, adapter.to_plain())
+
+    def remove_adapter(self, lora_id: int) -> None:
+        self._call("refit_remove_adapter", lora_id)
 
     def scale_records(self) -> list[ScaleRecord]:
         rows = self._call("refit_scale_records")[0]
@@ -207,6 +216,16 @@ class RefitWorkerExtension:
         if backend.draft is not None:
             records += [asdict(r) | {"module": DRAFT_PREFIX + r.module} for r in backend.draft.provenance.records()]
         return records
+
+    def refit_add_adapter(self, lora_id: int, adapter: dict[str, Any]) -> str:
+        from refit.engine.lora import install_adapter  # imports vLLM, which a worker has
+
+        return install_adapter(self, lora_id, adapter)
+
+    def refit_remove_adapter(self, lora_id: int) -> bool:
+        from refit.engine.lora import remove_adapter
+
+        return remove_adapter(self, lora_id)
 
     def refit_start_amax(self) -> None:
         backend = self._refit()

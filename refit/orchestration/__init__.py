@@ -1,6 +1,7 @@
 """The driver of a sync: plan once, then begin, stream, finish (or abort) on every replica, and report.
 
 - `syncer`: `Syncer` / `sync()`, the main flow, readable top to bottom.
+- `adapter_sync`: `Syncer.sync_adapter`'s flow, a LoRA adapter alone (staged on every replica, then served).
 - `membership`: the fleet between syncs (who joins and leaves, what an actor must be, waiting for actors to start).
 - `delta_negotiation`: which replicas get deltas and which whole buckets.
 - `collective_group`: the collective group's lifecycle (made, kept, made again, broken, begun again).
@@ -18,7 +19,7 @@ the data path) lives in `refit.plan`. Nothing here imports vLLM, so
 trainer images need not have it.
 """
 
-from refit.orchestration.report import DroppedReplica, ReplicaReport, SyncReport
+from refit.orchestration.report import AdapterSyncReport, DroppedReplica, ReplicaReport, SyncReport
 from refit.orchestration.syncer import Syncer, sync
 
-__all__ = ["DroppedReplica", "ReplicaReport", "SyncReport", "Syncer", "sync"]
+__all__ = ["AdapterSyncReport", "DroppedReplica", "ReplicaReport", "SyncReport", "Syncer", "sync"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-__all__ = ["DroppedReplica", "ReplicaReport", "SyncReport"]
+__all__ = ["AdapterSyncReport", "DroppedReplica", "ReplicaReport", "SyncReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,4 +82,31 @@ class SyncReport:
             lines.append(f"  the survivors began again {self.attempts - 1} time(s)")
         if self.probe_breached:
             lines.append("  WARNING: the logprob probe breached its thresholds (on_probe_breach='flag')")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSyncReport:
+    """What one adapter sync did (`Syncer.sync_adapter`): only the adapter's bytes moved, the base untouched."""
+
+    name: str
+    version: int  # the adapter version every replica in `replicas` serves
+    sync_id: str
+    bytes_per_replica: int  # the adapter's tensors, what each replica fetched
+    digest: str  # SHA-256 of the adapter's bytes, which every replica's engine reported holding
+    stage_seconds: float  # until every replica held it (staged), beside the adapter it served
+    total_seconds: float
+    replicas: dict[int, dict] = field(default_factory=dict)  # id -> what it serves now, what it retired and unloaded
+    dropped: tuple[DroppedReplica, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"adapter sync {self.name!r} v{self.version}: {self.bytes_per_replica / 2**10:.1f} KiB per replica, "
+                 f"staged in {self.stage_seconds:.3f} s, {self.total_seconds:.3f} s total; base untouched"]
+        lines += [f"  replica {rid}: serves {swap['serving']}" + (f", retired {swap['retired']}" if swap["retired"] else "")
+                  + (" (unloaded)" if swap["unloaded"] else " (unloaded once its requests end)" if swap["retired"] else "")
+                  for rid, swap in sorted(self.replicas.items())]
+        lines += [f"  dropped {d}" for d in self.dropped]
         return "\n".join(lines)

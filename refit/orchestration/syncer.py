@@ -63,6 +63,7 @@ from typing import Any
 
 from refit.engine.lifecycle import FinishedUpdate
 from refit.errors import BaseMismatchError, ConfigError, LifecycleError, PlanMismatchError
+from refit.orchestration.adapter_sync import sync_adapter
 from refit.orchestration.calls import call_all, first_claim, raise_first_error
 from refit.orchestration.collective_group import CollectiveGroupLifecycle
 from refit.orchestration.delta_negotiation import DeltaNegotiation
@@ -70,7 +71,7 @@ from refit.orchestration.failures import failed
 from refit.orchestration.fleet import Roll
 from refit.orchestration.membership import Membership, check_same_model, checked_sources, wait_for_actors
 from refit.orchestration.metrics import record_sync
-from refit.orchestration.report import SyncReport
+from refit.orchestration.report import AdapterSyncReport, SyncReport
 from refit.orchestration.reporting import Attempt, check_finished, sync_report
 from refit.orchestration.streaming import BucketRelay
 from refit.plan.config import SyncConfig, Verify
@@ -118,6 +119,7 @@ class Syncer:
         self._plan: TransferPlan | None = None
         self._rollout_model: RolloutModelInfo | None = None
         self._started = False  # every actor has finished its constructor (awaited once)
+        self._adapter_version = 0  # of the last adapter sync
 
     # -- membership (refit/orchestration/membership.py) -----------------------------------
     @property
@@ -182,12 +184,37 @@ class Syncer:
             timeout = self.config.timeout_s
             if not self._fleet.members:
                 raise ConfigError("the Syncer has no replicas to plan for: add_replica() first")
-            infos = raise_first_error(call_all(self._fleet.members, "describe", timeout_s=timeout))
-            check_same_model(list(zip(self.replica_names, infos)))
+            rollout = self._describe_rollouts()
             metadata = raise_first_error(call_all(self._sources, "weight_metadata", timeout_s=timeout))
-            self._plan = make_plan(_merge_metadata(self._sources, metadata), infos[0], self.config)
-            self._rollout_model = infos[0]
+            self._plan = make_plan(_merge_metadata(self._sources, metadata), rollout, self.config)
         return self._plan
+
+    def _describe_rollouts(self) -> RolloutModelInfo:
+        """The rollout model every replica runs (they must agree), asked once."""
+        if self._rollout_model is None:
+            infos = raise_first_error(call_all(self._fleet.members, "describe", timeout_s=self.config.timeout_s))
+            check_same_model(list(zip(self.replica_names, infos)))
+            self._rollout_model = infos[0]
+        return self._rollout_model
+
+    def sync_adapter(self) -> AdapterSyncReport:
+        """Put the trainer's LoRA adapter, and nothing else, into every replica: staged on all, then served by all
+        (refit/orchestration/adapter_sync.py). The base weights are not touched; requests running finish on the old
+        adapter. Replicas lost on the way are dropped as in `sync`; any other failure leaves every replica serving
+        the adapter it served (docs/lora.md)."""
+        self._refuse_during_sync("sync_adapter")
+        self._syncing = True
+        try:
+            self.wait_until_started()
+            if not self._fleet.members:
+                raise ConfigError("the Syncer has no replicas: add_replica() first")
+            roll = Roll(self._fleet.members, self.config.min_replicas)
+            report = sync_adapter(self._sources, roll, self._describe_rollouts(), self.config, self._adapter_version)
+            self._fleet.keep(roll.members)
+            self._adapter_version = report.version
+            return report
+        finally:
+            self._syncing = False
 
     def sync(self) -> SyncReport:
         """Put the trainer's current weights into every replica of the fleet; see the module docstring.

@@ -1,0 +1,112 @@
+"""A trainer's peft model as refit sees it: its adapter alone, or its base with the adapter merged in.
+
+Two ways to sync a model that trains LoRA over a frozen base:
+- adapter-only (`peft_adapter`): the adapter's tensors under the names a
+  PEFT checkpoint gives them, for rollouts that serve LoRA
+  (`Syncer.sync_adapter`); a few MiB where the base is GiB;
+- merged (`MergedLora`): every base weight, the adapted ones as
+  W + B A scaling, under the base checkpoint's names, for rollouts that
+  serve no LoRA (an ordinary `Syncer.sync`). Each adapted weight is merged
+  as peft's own `merge_adapter` does it (peft's delta, in the adapter's
+  dtype, added to the weight with one rounding to the weight's dtype), so
+  the rollout serves what a `merge_and_unload`ed
+  checkpoint holds, bit for bit; the trainer's own base is never modified
+  (merging in place and unmerging after would drift it by a rounding each
+  step).
+
+Imports peft only inside the functions: refit itself does not need it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from refit.adapters.weights import AdapterWeights
+from refit.errors import ConfigError
+from refit.plan.checkpoint_format import CheckpointView
+from refit.plan.tensors import TensorMeta
+
+__all__ = ["MergedLora", "peft_adapter"]
+
+_BASE_LAYER = ".base_layer."
+
+
+def peft_adapter(model: Any, name: str = "policy") -> AdapterWeights:
+    """The active adapter of peft `model` as an adapter sync carries it, under `name` (bytes copied, not views)."""
+    from peft import get_peft_model_state_dict
+
+    adapter = _active_adapter(model)
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    tensors = {key: value.detach().clone() for key, value in state.items()}
+    return AdapterWeights(name, _plain(model.peft_config[adapter].to_dict()), tensors)
+
+
+class MergedLora:
+    """A peft model's weights with its active adapter merged in, under the base checkpoint's names (merge mode).
+
+    `metadata()` and `tensor(name)` are `CheckpointView`'s, over the base model
+    inside the peft wrapper: peft keeps each adapted layer's weight as
+    `<module>.base_layer.weight` and its adapter beside it, so the names are
+    taken back to `<module>.weight` and the adapter's own tensors left out.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._adapter = _active_adapter(model)
+        self._view = CheckpointView(model.get_base_model())
+        self._layers = {name: module for name, module in model.get_base_model().named_modules()
+                        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+        self._source: dict[str, str] = {}  # base checkpoint name -> the view's name
+        self._metas: list[TensorMeta] = []
+        for meta in self._view.metadata():
+            if _is_adapter_tensor(meta.name):
+                continue
+            merged = meta.renamed(lambda name: name.replace(_BASE_LAYER, "."))
+            self._source[merged.name] = meta.name
+            self._metas.append(merged)
+
+    def metadata(self) -> list[TensorMeta]:
+        return list(self._metas)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        source = self._source[name]
+        value = self._view.tensor(source)
+        module, _, param = source.rpartition(_BASE_LAYER)
+        if param != "weight" or module not in self._layers:
+            return value
+        layer = self._layers[module]
+        if self._adapter not in getattr(layer, "lora_A", {}):
+            return value
+        with torch.no_grad():  # peft's merge: `weight += delta`, one rounding in the weight's dtype
+            return (value + layer.get_delta_weight(self._adapter)).to(value.dtype)
+
+
+def _active_adapter(model: Any) -> str:
+    adapters = getattr(model, "active_adapters", None)
+    if not adapters or not hasattr(model, "peft_config"):
+        raise ConfigError(f"{type(model).__name__} is not a peft model with an active adapter (peft.get_peft_model)")
+    if len(adapters) != 1:
+        raise ConfigError(f"the peft model has {len(adapters)} active adapters {list(adapters)}; refit syncs one")
+    return adapters[0]
+
+
+def _is_adapter_tensor(name: str) -> bool:
+    return any(f".{part}." in name for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                                               "lora_magnitude_vector"))
+
+
+def _plain(value: Any) -> Any:
+    """peft's config dict as JSON-able data (its sets become sorted lists, its enums their values)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value

@@ -1,0 +1,88 @@
+"""LoRA adapters installed in a running engine from memory, and unloaded: the worker's half of an adapter sync.
+
+Why by hand: vLLM 0.32 loads an adapter only from a directory (the
+`LoRARequest`'s path, read by the worker's `WorkerLoRAManager` the first
+time a request names it); loading one from memory is the open RFC
+vllm#48297. A sync that wrote every adapter version to disk on every
+rollout node, only for vLLM to read it back, would be the directory round
+trip refit exists to avoid. So the worker builds the adapter the way vLLM's
+own loader does once it has read the files (`PEFTHelper` from the config,
+`LoRAModel.from_lora_tensors`, the same rank check), registers it with the
+worker's adapter manager and pins it: a request naming its id then finds it
+loaded and never reads the path, and the LRU cache never evicts it.
+
+What vLLM's loader checks that `from_lora_tensors` does not is checked here
+first: that every module the adapter names is one this model can adapt
+(otherwise vLLM keeps the weights and applies them nowhere, silently).
+
+Runs in each vLLM worker (imports vLLM); `RefitWorkerExtension` calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refit.adapters.weights import AdapterWeights, check_values, lora_module
+from refit.errors import ConfigError, InvalidTensorError
+
+__all__ = ["install_adapter", "lora_rank_of", "remove_adapter"]
+
+def lora_rank_of(vllm_config: Any) -> int | None:
+    """The engine's `max_lora_rank`, or None if it serves no LoRA."""
+    lora = getattr(vllm_config, "lora_config", None)
+    return None if lora is None else int(lora.max_lora_rank)
+
+
+def install_adapter(worker: Any, lora_id: int, plain: dict[str, Any]) -> str:
+    """Check, build and pin the adapter `plain` (`AdapterWeights.to_plain`) as `lora_id`; returns its digest."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = _lora_manager(worker)
+    adapter = AdapterWeights.from_plain(plain)
+    check_values(adapter)
+    adaptable = _adaptable_modules(manager._adapter_manager)
+    for name in sorted(adapter.tensors):
+        module, _ = lora_module(name)
+        if module.rsplit(".", 1)[-1] not in adaptable:
+            raise InvalidTensorError(
+                f"adapter tensor {name!r}: this model cannot apply LoRA to {module!r}; it adapts {sorted(adaptable)}"
+            )
+    try:
+        helper = PEFTHelper.from_dict(dict(adapter.config))
+        helper.validate_legal(manager.lora_config)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"adapter {adapter.name!r}: its config is refused by vLLM: {error}") from None
+    adapter_manager = manager._adapter_manager
+    model = adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id, dict(adapter.tensors), helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size, weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    adapter_manager.remove_adapter(lora_id)  # a half-installed earlier try of this id
+    adapter_manager.add_adapter(lora)
+    adapter_manager.pin_adapter(lora_id)
+    return adapter.digest()
+
+
+def remove_adapter(worker: Any, lora_id: int) -> bool:
+    """Unload `lora_id` (unpinned with it); False if it was not loaded."""
+    return bool(_lora_manager(worker)._adapter_manager.remove_adapter(lora_id))
+
+
+def _lora_manager(worker: Any) -> Any:
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None:
+        raise ConfigError("this engine serves no LoRA adapters: start it with EngineConfig(lora_rank=...)")
+    return manager
+
+
+def _adaptable_modules(adapter_manager: Any) -> set[str]:
+    """The module names vLLM's own loader accepts in an adapter (`WorkerLoRAManager._load_adapter`'s list)."""
+    packed = adapter_manager.packed_modules_mapping
+    names: set[str] = set()
+    for module in adapter_manager.supported_lora_modules:
+        names.update(packed.get(module, [module]))
+    return names
