@@ -13,7 +13,7 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from tests.support.actors import engine_state, run_in
-from tests.support.lora import LORA, generate_with_adapter_dir, loaded_lora_ids, poison_adapter, save_adapter
+from tests.support.lora import LORA, generate_with_adapter_dir, loaded_lora_ids, poison_adapter, save_adapter, save_merged
 
 FP8 = model_dir(False, "fp8_block")
 BF16 = model_dir(False, "bf16")
@@ -66,3 +66,46 @@ def test_a_refused_adapter_leaves_the_old_one_serving(actors_factory):
     with pytest.raises(refit.ConfigError, match="max_lora_rank 8"):
         refit.Syncer(wide, [replica]).sync_adapter()
     assert ray.get(replica.status.remote()).adapter == before.adapter
+
+
+def test_an_adapter_swap_under_concurrent_requests_loses_none_and_each_ends_on_the_adapter_it_began_with(actors_factory):
+    """An `AsyncLLM` replica serves requests throughout the swap: the ones admitted before it finish on the old
+    adapter (tagged with it), the ones after run on the new one; none is aborted or lost."""
+    from actors import AsyncRolloutActor
+
+    trainer = actors_factory.trainer(BF16, lora=LORA, lr=1e-2)
+    config = refit.EngineConfig(model=str(FP8), lora_rank=8, max_model_len=128, kv_cache_bytes=64 << 20)
+    replica = actors_factory.keep(AsyncRolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(config))
+    ray.get(trainer.train_step.remote(SEQUENCES), timeout=120)
+    syncer = refit.Syncer(trainer, [replica])
+    syncer.sync_adapter()
+    expected = {1: [ray.get(replica.generate.remote(p, 24)).token_ids for p in PROMPTS]}
+    ray.get(trainer.train_step.remote(SEQUENCES), timeout=120)
+
+    during = [replica.generate.remote(p, 24) for p in PROMPTS * 3]
+    report = syncer.sync_adapter()
+    after = [replica.generate.remote(p, 24) for p in PROMPTS]
+    done = ray.get(during + after, timeout=300)
+    expected[2] = [ray.get(replica.generate.remote(p, 24)).token_ids for p in PROMPTS]
+
+    # Ray starts an actor's calls in the order one caller sent them, and a request takes its adapter before its
+    # first wait: every request sent before the sync began on v1, every one after it on v2.
+    assert report.version == 2 and not any(c.aborted for c in done)
+    assert [c.adapter.version for c in done] == [1] * len(during) + [2] * len(after)
+    for i, completion in enumerate(done):
+        assert completion.token_ids == expected[completion.adapter.version][i % len(PROMPTS)], (i, completion.adapter)
+    assert report.replicas[0]["retired"] == "policy v1"
+
+
+def test_merge_mode_syncs_the_base_with_the_adapter_merged_in_as_peft_merges_it(actors_factory, tmp_path):
+    """A replica that serves no LoRA gets the LoRA trainer's weights merged (an ordinary sync), bit for bit what a
+    checkpoint of peft's `merge_and_unload` holds."""
+    trainer = actors_factory.trainer(BF16, lora={**LORA, "init_lora_weights": False})
+    replica = actors_factory.rollout(BF16, node=1, load_format="dummy")
+    report = refit.sync(trainer, [replica])
+    assert report.tensors == 25  # the base's, under their checkpoint names; no adapter tensor
+    run_in(trainer, save_merged, str(tmp_path))
+    merged = actors_factory.rollout(tmp_path, node=2)
+    assert run_in(replica, engine_state) == run_in(merged, engine_state)
+    with pytest.raises(refit.ConfigError, match="serves no LoRA adapters"):
+        refit.Syncer(trainer, [replica]).sync_adapter()
