@@ -71,10 +71,8 @@ def test_versions_only_rise_and_one_sync_stages_at_a_time_until_its_stage_goes_s
 def test_quiesced_holds_new_requests_and_waits_for_running_ones_without_an_update():
     lifecycle = UpdateLifecycle()
     order: list[str] = []
-    with lifecycle.request():
-        with pytest.raises(SyncTimeoutError, match="1 request\\(s\\) still running"):
-            with lifecycle.quiesced(0.05):
-                pass
+    with lifecycle.request(), pytest.raises(SyncTimeoutError, match="1 request\\(s\\) still running"), lifecycle.quiesced(0.05):
+        pass
     def request():
         with lifecycle.request():
             order.append("request")
