@@ -8,16 +8,22 @@
   each stage calls in the actor's process. Only for a separate, untimed
   sync: the wrappers add a little time of their own, so the medians come
   from syncs without them.
+- The floor of a sync, each side alone: `capture_loads_start`/`_stop` keep
+  a private copy of every bucket's tensors a sync hands the rollout's
+  engine, and `load_alone` hands them to it again (the same worker calls,
+  no transfer); `produce_alone` runs the trainer's bucket production with
+  no consumer.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["StageClock", "memory_start", "memory_stop", "stages_start", "stages_stop"]
+__all__ = ["StageClock", "capture_loads_start", "capture_loads_stop", "drop_loads", "load_alone", "memory_start", "memory_stop",
+           "produce_alone", "stages_start", "stages_stop"]
 
 
 class MemorySampler:
@@ -104,3 +110,61 @@ def stages_start(actor: Any) -> None:
 
 def stages_stop(actor: Any) -> dict[str, float]:
     return actor.__dict__.pop("_bench_stages").undo()
+
+
+# -- the floor: each side's share of a sync, alone ----------------------------------------------------
+
+def capture_loads_start(actor: Any) -> None:
+    """In the rollout: keep a private copy of each bucket's tensors the next sync hands the engine (`workers.load`:
+    after the fetch, the tag check and the delta base), with the version and `verify` it passed."""
+    workers = actor.replica.workers
+    original = workers.load
+    captured: list[tuple[list[tuple[str, Any]], int, bool]] = []
+
+    def load(tensors: Sequence[tuple[str, Any]], version: int, *, verify: bool) -> None:
+        captured.append(([(name, tensor.clone()) for name, tensor in tensors], version, verify))
+        original(tensors, version, verify=verify)
+
+    workers.load = load
+    actor._bench_loads = captured
+    actor._bench_loads_undo = lambda: setattr(workers, "load", original)
+
+
+def capture_loads_stop(actor: Any) -> tuple[int, int]:
+    """Stop capturing; (buckets, bytes) kept for `load_alone`."""
+    actor.__dict__.pop("_bench_loads_undo")()
+    loads = actor._bench_loads
+    return len(loads), sum(t.numel() * t.element_size() for tensors, _, _ in loads for _, t in tensors)
+
+
+def load_alone(actor: Any, plan: Any, transport: str = "ray") -> float:
+    """In the rollout: the captured sync's load again, from the copies in this process: the engine calls the sync
+    makes (start the layerwise reload, every bucket's tensors to `load_weights`, finish: finalize, scale read-back),
+    and nothing else: no fetch, no tag check, no delta base, no pause, no KV-scale stage. Seconds."""
+    replica = actor.replica
+    with replica._lock:  # no update of the replica's own can start meanwhile
+        start = time.perf_counter()
+        replica.workers.start_update(plan, transport)
+        try:
+            for tensors, version, verify in actor._bench_loads:
+                replica.workers.load(tensors, version, verify=verify)
+            replica.workers.finish_update()
+        except BaseException:
+            replica.workers.abandon_update()
+            raise
+        return time.perf_counter() - start
+
+
+def drop_loads(actor: Any) -> None:
+    actor.__dict__.pop("_bench_loads", None)
+
+
+def produce_alone(actor: Any, plan: Any) -> float:
+    """In the trainer: every bucket of `plan` as its weights produce them for a sync (preflight, quantize into the
+    bucket's buffer, pack, integrity tags if the plan has a key), each dropped as soon as made: no consumer, no
+    transport, no delta base. Seconds."""
+    start = time.perf_counter()
+    buckets = actor.weights._produce(plan)
+    while next(buckets, None) is not None:
+        pass
+    return time.perf_counter() - start

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from benchmarks import _docs_table
-from benchmarks.bench_alternatives import CLONE, DEFAULT, ONE_NODE, ROUND_TRIP, refit_paths
+from benchmarks.bench_alternatives import CLONE, DEFAULT, LOAD_ALONE, ONE_NODE, PRODUCE_ALONE, ROUND_TRIP, refit_paths
 from tests.support.scripts import REPO, run_python
 
 PAGE = """# Performance
@@ -96,7 +96,7 @@ def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_c
     committed = _docs_table.PAGE.read_text(), (_docs_table.PAGE.parent / "bench.png").read_bytes()
     out = run_python(["-m", "benchmarks.bench_alternatives", "--sizes", "2x256", "--repeats", "1", "--out", str(tmp_path)],
                      ray_address=ray_cluster.address)
-    paths = [*refit_paths(1 << 20), ONE_NODE, ROUND_TRIP, CLONE]
+    paths = [*refit_paths(1 << 20), ONE_NODE, ROUND_TRIP, CLONE, LOAD_ALONE, PRODUCE_ALONE]
     for name in paths:
         assert f"  {name}" in out, out
     summary = json.loads((tmp_path / "bench.json").read_text())
@@ -108,6 +108,13 @@ def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_c
     assert {"preflight", "quantize", "integrity tag"} <= set(size["stage_detail"]["trainer"])
     assert {"fetch", "verify", "load"} <= set(size["stage_detail"]["rollout"])
     assert set(size["peak_extra_bytes"]) == {"trainer", "rollout"} and "peak extra private memory" in out
+    # The floor: each side alone, and the default sync against the slower one and against the round trip.
+    assert re.search(r"floor: max\(rollout load alone [\d.]+ s, trainer production alone [\d.]+ s\) = [\d.]+ s; "
+                     r"default sync / floor [\d.]+x", out), out
+    assert re.search(r"round trip / default sync: [\d.]+x", out), out
+    assert re.search(r"path +median s +vs round trip +over floor +of clone bw", out), out
+    assert size["floor_s"] == max(size["paths"][LOAD_ALONE]["median"], size["paths"][PRODUCE_ALONE]["median"]) > 0
+    assert size["default_over_floor"] > 0 and size["round_trip_over_default"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert (_docs_table.PAGE.read_text(), (_docs_table.PAGE.parent / "bench.png").read_bytes()) == committed  # no --write-docs
 
