@@ -49,7 +49,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,35 +150,58 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
         }
         provenance = [provenance_summary(ray.get(r.scale_records.remote())) for r in rollouts]
 
-        shards = [dataset[i :: len(rollouts)] for i in range(len(rollouts))]
-        samples = ray.get([
-            rollout.generate.remote(shard, NEW_TOKENS, temperature=1.0, n=group, seed=index)
-            for rollout, shard in zip(rollouts, shards) if shard
-        ])
-        sequences, advantages, rewards, sampled_logprobs = [], [], [], []
-        for shard, generation in zip(shards, samples):
-            for p, prompt in enumerate(shard):
-                completions = generation.token_ids[p * group : (p + 1) * group]
-                logprobs = generation.logprobs[p * group : (p + 1) * group]
-                scores = [reward(prompt, c) for c in completions]
-                rewards += [statistics.fmean(s) if s else 0.0 for s in scores]
-                # Equal lengths make one batch without padding: a completion an end-of-sequence token cut short sits out.
-                kept = [i for i, c in enumerate(completions) if len(c) == NEW_TOKENS]
-                for i, advantage in zip(kept, group_advantages([scores[i] for i in kept])):
-                    sequences.append(list(prompt) + list(completions[i]))
-                    advantages.append(advantage)
-                    sampled_logprobs.append(logprobs[i])
-        # PPO-style: several steps against the policy that sampled the batch (its bf16 logprobs),
-        # each token weighted by the truncated importance ratio against the FP8 rollout's logprobs.
-        old = ray.get(trainer.completion_logprobs.remote(sequences, PROMPT_LEN))
-        for _ in range(steps_per_batch):
-            ray.get(trainer.policy_gradient_step.remote(sequences, PROMPT_LEN, advantages, old, sampled_logprobs))
+        batch = sample_batch(rollouts, dataset, group, seed=index)
+        train_on_batch(trainer, batch, steps_per_batch)
 
         rollout_accuracy = min(accuracy(dataset, g.token_ids) for g in greedy)
-        history.append(Round(index, report.version, statistics.fmean(rewards), rollout_accuracy,
+        history.append(Round(index, report.version, batch.mean_reward, rollout_accuracy,
                              accuracy(dataset, trained), report, provenance, views))
         log(round_line(history[-1]))
     return history
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One round's sampled completions, scored: what a policy-gradient step trains on."""
+
+    sequences: list[list[int]]  # prompt + completion
+    advantages: list[list[float]]  # per completion token
+    sampled_logprobs: list[list[float]]  # what the rollout that sampled each token gave it
+    mean_reward: float  # over every sampled completion
+
+
+def sample_batch(rollouts, dataset: Sequence[Sequence[int]], group: int, *, seed: int,
+                 score: Callable[[Sequence[int], Sequence[int]], list[float]] = reward) -> Batch:
+    """`group` completions of every prompt at temperature 1.0, the prompts spread over the rollouts, each token scored
+    by `score` (the user's reward, per token) and given its group-normalized advantage."""
+    shards = [dataset[i :: len(rollouts)] for i in range(len(rollouts))]
+    samples = ray.get([
+        rollout.generate.remote(shard, NEW_TOKENS, temperature=1.0, n=group, seed=seed)
+        for rollout, shard in zip(rollouts, shards) if shard
+    ])
+    sequences, advantages, rewards, sampled_logprobs = [], [], [], []
+    for shard, generation in zip(shards, samples):
+        for p, prompt in enumerate(shard):
+            completions = generation.token_ids[p * group : (p + 1) * group]
+            logprobs = generation.logprobs[p * group : (p + 1) * group]
+            scores = [score(prompt, c) for c in completions]
+            rewards += [statistics.fmean(s) if s else 0.0 for s in scores]
+            # Equal lengths make one batch without padding: a completion an end-of-sequence token cut short sits out.
+            kept = [i for i, c in enumerate(completions) if len(c) == NEW_TOKENS]
+            for i, advantage in zip(kept, group_advantages([scores[i] for i in kept])):
+                sequences.append(list(prompt) + list(completions[i]))
+                advantages.append(advantage)
+                sampled_logprobs.append(logprobs[i])
+    return Batch(sequences, advantages, sampled_logprobs, statistics.fmean(rewards))
+
+
+def train_on_batch(trainer, batch: Batch, steps: int) -> None:
+    """PPO-style: `steps` steps against the policy that sampled the batch (its bf16 logprobs), each token weighted by
+    the truncated importance ratio against the FP8 rollout's logprobs."""
+    old = ray.get(trainer.completion_logprobs.remote(batch.sequences, PROMPT_LEN))
+    for _ in range(steps):
+        ray.get(trainer.policy_gradient_step.remote(batch.sequences, PROMPT_LEN, batch.advantages, old,
+                                                    batch.sampled_logprobs))
 
 
 def probe_outcome(report: refit.SyncReport) -> str:
