@@ -65,8 +65,12 @@ class EngineConfig:
     """Local checkpoint of a speculative draft model (vLLM's `method="draft_model"`), loaded like `model`
     (`load_format` too); syncs update it with the target (`SyncConfig.draft`, docs/draft.md)."""
 
+    speculative_method: Literal["draft_model", "mtp"] = "draft_model"
+    """`"mtp"`: draft with the MTP layers of `model`'s own checkpoint (vLLM's `method="mtp"`; no `draft_model`),
+    synced with the target like a draft model (docs/draft.md)."""
+
     num_speculative_tokens: int = 2
-    """Tokens the draft proposes per step, when there is a draft."""
+    """Tokens the draft proposes per step, when there is a draft (MTP layers: at most as many as the checkpoint has)."""
 
     lora_rank: int | None = None
     """Serve LoRA adapters of rank up to this, synced from memory by `Syncer.sync_adapter` (docs/lora.md);
@@ -83,9 +87,17 @@ class EngineConfig:
             problems.append(f"load_format={self.load_format!r}: expected 'auto', 'dummy' or 'safetensors'")
         if self.draft_model is not None and (not isinstance(self.draft_model, (str, Path)) or not str(self.draft_model)):
             problems.append(f"draft_model={self.draft_model!r}: expected the path of a local checkpoint directory or None")
+        if self.speculative_method not in ("draft_model", "mtp"):
+            problems.append(f"speculative_method={self.speculative_method!r}: expected 'draft_model' or 'mtp'")
+        elif self.speculative_method == "mtp" and self.draft_model is not None:
+            problems.append(f"speculative_method='mtp' with draft_model={self.draft_model!r}: MTP layers come from "
+                            "model's own checkpoint; set one or the other")
         if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int)
                                            or self.lora_rank < 1):
             problems.append(f"lora_rank={self.lora_rank!r}: expected a positive int or None")
+        elif self.lora_rank is not None and self.load_format == "dummy":
+            problems.append("lora_rank with load_format='dummy': a replica serving LoRA adapters loads its base from its "
+                            "checkpoint (a weight sync does not reach vLLM's LoRA-wrapped layers yet, docs/lora.md)")
         for name in ("max_model_len", "tensor_parallel_size", "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -162,12 +174,16 @@ class EngineConfig:
         }
 
     def _speculative(self) -> dict[str, Any]:
-        """A draft model's speculative config, with the engine's stats on (the draft's acceptance is read from them)."""
-        if self.draft_model is None:
+        """A draft model's or MTP layers' speculative config, with the engine's stats on (the draft's acceptance is
+        read from them)."""
+        if self.speculative_method == "mtp":
+            spec = {"method": "mtp", "num_speculative_tokens": self.num_speculative_tokens}
+        elif self.draft_model is not None:
+            spec = {"method": "draft_model", "model": str(self.draft_model),
+                    "num_speculative_tokens": self.num_speculative_tokens}
+        else:
             return {}
-        return {"speculative_config": {"method": "draft_model", "model": str(self.draft_model),
-                                       "num_speculative_tokens": self.num_speculative_tokens},
-                "disable_log_stats": False}
+        return {"speculative_config": spec, "disable_log_stats": False}
 
 
 ADAPTER_SLOTS = 2

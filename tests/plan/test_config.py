@@ -69,6 +69,18 @@ def test_engine_config_refuses_a_missing_model_directory_where_the_engine_starts
         EngineConfig(model=MODEL, memory_fraction=2)
 
 
+def test_engine_config_serves_lora_adapters_with_room_for_two_over_a_base_it_loads():
+    kwargs = EngineConfig(model=MODEL, lora_rank=8).llm_kwargs(on_gpu=False)
+    assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"], kwargs["max_cpu_loras"]) == (True, 8, 2, 2)
+    assert "enable_lora" not in EngineConfig(model=MODEL).llm_kwargs(on_gpu=False)
+    with pytest.raises(ConfigError, match="lora_rank=0: expected a positive int"):
+        EngineConfig(model=MODEL, lora_rank=0)
+    with pytest.raises(ConfigError, match="lora_rank with load_format='dummy'"):
+        EngineConfig(model=MODEL, lora_rank=8, load_format="dummy")
+    with pytest.raises(ConfigError, match=r"extra sets \['max_loras'\]: refit sets these .* lora_rank"):
+        EngineConfig(model=MODEL, extra={"max_loras": 4})
+
+
 def test_engine_memory_is_bounded_on_a_cpu_and_left_to_vllm_on_a_gpu():
     config = EngineConfig(model=MODEL)
     assert config.llm_kwargs(on_gpu=False)["kv_cache_memory_bytes"] == 1 << 30

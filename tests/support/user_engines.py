@@ -24,19 +24,21 @@ ENGINE = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3", "max_model_len":
 class UserLLMRollout(refit.ReplicaMethods):
     """A threaded actor with an in-process `vllm.LLM` (one request batch at a time)."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, lora_rank: int | None = None) -> None:
+        """`lora_rank`: serve LoRA adapters too, over the base loaded from `model_dir` (docs/lora.md)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        self.llm = LLM(model=model_dir, **ENGINE, **refit.engine_kwargs())
+        self.llm = LLM(model=model_dir, **_engine(lora_rank), **refit.engine_kwargs(lora_rank=lora_rank))
         self.replica = refit.llm_replica(self.llm)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
-        with self.replica.request():
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        with self.replica.request() as serving:  # on the adapter refit serves, if it serves one
+            lora = serving.adapter.lora_request() if serving.adapter is not None else None
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
         done = [out.outputs[0] for out in outputs]
         return [list(c.token_ids) for c in done], [[s[t].logprob for s, t in zip(c.logprobs, c.token_ids)] for c in done]
 
@@ -45,13 +47,20 @@ class UserLLMRollout(refit.ReplicaMethods):
 class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
     """An async actor with an `AsyncLLM` (engine core in its own process, so synced over `transport="collective"`)."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, lora_rank: int | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE, **refit.engine_kwargs()))
+        args = AsyncEngineArgs(model=model_dir, **_engine(lora_rank), **refit.engine_kwargs(lora_rank=lora_rank))
+        self.llm = AsyncLLM.from_engine_args(args)
         self.replica = refit.async_llm_replica(self.llm)
 
     async def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         done = [await self.replica.serve(p, max_tokens) for p in prompts]
         return [c.token_ids for c in done], [c.logprobs for c in done]
+
+
+def _engine(lora_rank: int | None) -> dict:
+    """The seed bug's engine, or, serving LoRA adapters, one that loads its base from the checkpoint (vLLM's LoRA
+    layers wrap the base's, which a base sync does not reach yet: docs/lora.md)."""
+    return ENGINE if lora_rank is None else {**ENGINE, "load_format": "auto", "kv_cache_dtype": "auto"}

@@ -67,6 +67,11 @@ def test_a_refused_adapter_leaves_the_old_one_serving(actors_factory):
         refit.Syncer(wide, [replica]).sync_adapter()
     assert ray.get(replica.status.remote()).adapter == before.adapter
 
+    # A weight sync cannot reach the base under vLLM's LoRA layers yet: refused before anything is held or loaded.
+    with pytest.raises(refit.ConfigError, match="this replica serves LoRA adapters"):
+        refit.sync(trainer, [replica])
+    assert ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == before.token_ids
+
 
 def test_an_adapter_swap_under_concurrent_requests_loses_none_and_each_ends_on_the_adapter_it_began_with(actors_factory):
     """An `AsyncLLM` replica serves requests throughout the swap: the ones admitted before it finish on the old
@@ -109,3 +114,23 @@ def test_merge_mode_syncs_the_base_with_the_adapter_merged_in_as_peft_merges_it(
     assert run_in(replica, engine_state) == run_in(merged, engine_state)
     with pytest.raises(refit.ConfigError, match="serves no LoRA adapters"):
         refit.Syncer(trainer, [replica]).sync_adapter()
+
+
+def test_an_adapter_sync_reaches_users_own_engines_which_serve_what_refits_actor_serves(actors_factory):
+    """A `vllm.LLM` and an `AsyncLLM` in user-written actors (tests/support/user_engines.py), with refit's actor, all
+    synced by one `sync_adapter` (over vLLM's worker RPC, whatever the engine)."""
+    from tests.support.user_engines import UserAsyncLLMRollout, UserLLMRollout
+
+    trainer = actors_factory.trainer(BF16, lora=LORA, lr=1e-2)
+    reference = actors_factory.rollout(FP8, node=1, lora_rank=8)
+    users = {kind: actors_factory.keep(cls.options(num_cpus=0, resources={"node2": 0.01}).remote(str(FP8), 8))
+             for kind, cls in (("llm", UserLLMRollout), ("async_llm", UserAsyncLLMRollout))}
+    ray.get(trainer.train_step.remote(SEQUENCES), timeout=120)
+    report = refit.Syncer(trainer, [reference, *users.values()]).sync_adapter()
+    assert sorted(swap["serving"] for swap in report.replicas.values()) == ["policy v1"] * 3
+    for prompt in PROMPTS[:4]:  # one at a time: an AsyncLLM runs each request alone (bf16 sums depend on the batch)
+        expected = ray.get(reference.generate.remote([prompt], NEW_TOKENS))
+        for kind, user in users.items():
+            tokens, logprobs = ray.get(user.generate.remote([prompt], NEW_TOKENS))
+            assert tokens == expected.token_ids, kind
+            assert max(abs(a - b) for a, b in zip(logprobs[0], expected.logprobs[0])) < 1e-5, kind
