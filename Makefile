@@ -31,5 +31,6 @@ bench: env
 fixtures: env
 	@scripts/setup_env.sh llmc
 	$(PY) -m fixtures.make_models
+	$(PY) -m fixtures.mtp_model
 	.venv-llmc/bin/python -m fixtures.quantize_with_llmcompressor
 	$(PY) -m fixtures.tokenizer

@@ -6,6 +6,15 @@ worker reads them for a replica that holds no engine (a `vllm serve` server,
 `RefitWorkerExtension.refit_engine_facts`), which answers them as JSON-able
 data (`to_plain` / `from_plain`): a server's HTTP carries no refit classes
 and nothing pickled.
+
+A replica that decodes speculatively has two models, and its facts describe
+both (`RolloutModelInfo.draft`), each planned against its own expected
+weights: a draft model (`method="draft_model"`) from its own checkpoint; MTP
+layers (`method="mtp"`) from the target's checkpoint, where they are named
+`model.mtp_layers.<i>.*` (refit/plan/mtp_layers.py): they are the drafter's
+weights, not the target's (whose loader skips them), so they move from the
+target's expected weights to the draft's. EAGLE-style heads are not drafts
+refit knows how to name: their engines sync the target alone.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from refit.errors import EngineError
 from refit.plan.expected_weights import ExpectedWeight
 from refit.plan.transfer_plan import RolloutModelInfo
 
-__all__ = ["EngineFacts", "draft_model_dir"]
+__all__ = ["EngineFacts", "draft_model_dir", "speculative_method"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +45,11 @@ class EngineFacts:
         model_dir = vllm_config.model_config.model
         dummy = str(vllm_config.load_config.load_format) == "dummy"
         draft_dir = draft_model_dir(vllm_config)
+        info = RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy, mtp=speculative_method(vllm_config) == "mtp")
+        if draft_dir is not None:
+            info = info.with_draft(RolloutModelInfo.from_checkpoint(draft_dir, from_files=not dummy))
         return cls(
-            model_info=RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy).with_draft(
-                None if draft_dir is None else RolloutModelInfo.from_checkpoint(draft_dir, from_files=not dummy)),
+            model_info=info,
             vocab_size=int(vllm_config.model_config.get_vocab_size()),
             workers=int(vllm_config.parallel_config.world_size),
             fp8_kv_cache=str(vllm_config.cache_config.cache_dtype).startswith("fp8"),
@@ -70,14 +81,20 @@ class EngineFacts:
             raise EngineError(f"not an engine's facts ({type(error).__name__}: {error}); the sender is not refit's") from None
 
 
+def speculative_method(vllm_config: Any) -> str | None:
+    """vLLM's speculative method of the engine (`"draft_model"`, `"mtp"`, ...), None if it decodes without one."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return None if spec is None else getattr(spec, "method", None)
+
+
 def draft_model_dir(vllm_config: Any) -> str | None:
     """The checkpoint of the engine's speculative draft model (`method="draft_model"`), if it has one.
 
-    MTP layers (`method="mtp"`) live inside the target's own checkpoint and model, so a sync of the target
-    covers them; EAGLE-style heads are not draft models refit knows how to name.
+    An MTP drafter (`method="mtp"`) has none of its own: its layers are in the target's checkpoint
+    (`RolloutModelInfo.from_checkpoint(..., mtp=True)`).
     """
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or getattr(spec, "method", None) != "draft_model" or spec.draft_model_config is None:
+    if speculative_method(vllm_config) != "draft_model" or spec.draft_model_config is None:
         return None
     return str(spec.draft_model_config.model)
 
@@ -89,6 +106,7 @@ def _info_to_plain(info: RolloutModelInfo) -> dict[str, Any]:
         "weights": None if info.weights is None else [[w.name, list(w.shape), w.fp8_block] for w in info.weights],
         "vocab_size": info.vocab_size,
         "draft": None if info.draft is None else _info_to_plain(info.draft),
+        "mtp_prefixes": list(info.mtp_prefixes),
     }
 
 
@@ -102,4 +120,5 @@ def _info_from_plain(info: Any) -> RolloutModelInfo:
         ),
         None if info["vocab_size"] is None else int(info["vocab_size"]),
         None if draft is None else _info_from_plain(draft),
+        tuple(str(prefix) for prefix in info.get("mtp_prefixes", ())),
     )

@@ -5,7 +5,7 @@ Why here: after a sync the replica measures its draft's acceptance
 Prometheus counters its stat loggers keep in the engine's process
 (`vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens`;
 on when `disable_log_stats=False`, which `EngineConfig(draft_model=...)`
-sets). A `vllm.LLM` and an `AsyncLLM` both record them there; a replica runs
+and `EngineConfig(speculative_method="mtp")` set). A `vllm.LLM` and an `AsyncLLM` both record them there; a replica runs
 one engine per process, so the process's counters are its engine's.
 """
 

@@ -35,6 +35,8 @@ every vLLM process knows it; engines opt in with
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,10 +83,20 @@ class DraftModel:
     update is one version, finished or abandoned as a whole, so no draft ever serves beside another version of its
     target, and the replica's pause, verification and lease cover both. Its reload opens when its first tensor
     arrives, so a sync that sends no draft tensors (a frozen draft) never touches it.
+
+    An MTP drafter (`method="mtp"`) shares modules with its target (vLLM hands it the target's `embed_tokens`
+    and `lm_head`): those are the target's weights, loaded and verified with it, so the draft neither expects
+    them nor reloads them: they are detached from it while its reload opens and closes (vLLM's reload walks
+    `modules()`; walking into them it would put them on the meta device after the target has loaded them).
     """
 
-    def __init__(self, model: torch.nn.Module, model_config: Any, load_format: str) -> None:
+    def __init__(self, model: torch.nn.Module, model_config: Any, load_format: str, target: torch.nn.Module) -> None:
         self.model, self.model_config = model, model_config
+        targets = {id(module) for module in target.modules()}
+        shared = [name for name, module in model.named_modules() if name and id(module) in targets]
+        self._detach = [name for name in shared if not any(name.startswith(other + ".") for other in shared)]
+        self.shared = frozenset(f"{name}.{param}" for name in self._detach
+                                for param, _ in model.get_submodule(name).named_parameters())
         self.provenance = ScaleProvenanceTracker(model)
         names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(model_config.model)
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
@@ -94,20 +106,39 @@ class DraftModel:
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load draft tensors named without the prefix; the first of an update opens the draft's reload."""
         if not self.reload_open:
-            initialize_layerwise_reload(self.model)
+            with self._shared_detached():
+                initialize_layerwise_reload(self.model)
             self.reload_open, self.loaded = True, set()
         self.loaded |= set(self.model.load_weights(tensors))
 
     def missing(self) -> list[str]:
         """Draft weights this update left unloaded (none if it loaded none: the draft keeps its version)."""
-        return sorted(_expected_weights(self.model) - self.loaded) if self.reload_open else []
+        return sorted(_expected_weights(self.model) - self.shared - self.loaded) if self.reload_open else []
 
     def finalize(self, streamed: set[str], version: int | None) -> None:
         if self.reload_open:
-            finalize_layerwise_reload(self.model, self.model_config)
+            with self._shared_detached():
+                finalize_layerwise_reload(self.model, self.model_config)
             self.reload_open = False
             if version is not None:
                 self.provenance.record_streamed(self.loaded, streamed, version)
+
+
+    @contextmanager
+    def _shared_detached(self) -> Iterator[None]:
+        """The draft without the modules it shares with the target, for the duration (their places kept)."""
+        parents = []
+        for name in self._detach:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name)
+            parents.append((parent, dict(parent._modules)))
+            del parent._modules[child]
+        try:
+            yield
+        finally:
+            for parent, modules in reversed(parents):
+                parent._modules.clear()
+                parent._modules.update(modules)
 
 
 @dataclass
@@ -156,7 +187,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
     def attach_draft(self, model: torch.nn.Module | None, model_config: Any) -> None:
         """The engine's speculative draft model (once; from the worker, which holds it)."""
         if model is not None and self.draft is None:
-            self.draft = DraftModel(model, model_config, str(self.vllm_config.load_config.load_format))
+            self.draft = DraftModel(model, model_config, str(self.vllm_config.load_config.load_format), self.model)
 
     def start_weight_update(self) -> None:
         """Put every layer in loadable form; buffers incoming tensors per layer."""

@@ -12,7 +12,8 @@ checkpoint holds, which is what vLLM's loaders take):
   (no tensor data is read);
 - otherwise (a config-only directory, `load_format="dummy"`), the model
   built from its `config.json` on the meta device, with the FP8 forms the
-  rollout's `quantization_config` gives.
+  rollout's `quantization_config` gives, and the MTP layers the config
+  names (refit/plan/mtp_layers.py), which transformers' model lacks.
 
 Scales (`weight_scale`, attention KV scales) and zero points are not
 listed: a quantized weight brings its own scale, and the post-refit stage
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refit.plan.checkpoint_format import describe_weights
+from refit.plan.mtp_layers import mtp_layer_weights
 from refit.plan.tensors import module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
@@ -89,4 +91,9 @@ def _from_config(model_dir: Path, quantization_config: dict | None) -> list[Expe
     quantizer = None
     if quantization_config:
         quantizer = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(quantization_config), module_classes(metas))
-    return [ExpectedWeight(m.name, m.shape, quantizer is not None and quantizer.is_quantized(m.name)) for m in metas]
+    weights = [ExpectedWeight(m.name, m.shape, quantizer is not None and quantizer.is_quantized(m.name)) for m in metas]
+    # MTP layers: transformers' class of such a checkpoint has none (vLLM's drafter loads them), so they are
+    # described from the config, their decoder block as the target's first decoder layer.
+    first_layer = "model.layers.0."
+    block = {w.name.removeprefix(first_layer): (w.shape, w.fp8_block) for w in weights if w.name.startswith(first_layer)}
+    return weights + [ExpectedWeight(*w) for w in mtp_layer_weights(config.to_dict(), block)]

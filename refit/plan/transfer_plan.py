@@ -27,6 +27,7 @@ import torch
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.plan.config import Draft, QuantizeOn, SyncConfig
 from refit.plan.expected_weights import ExpectedWeight, expected_weights, may_stream
+from refit.plan.mtp_layers import mtp_prefixes
 from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
@@ -37,7 +38,11 @@ _LM_HEAD = "lm_head.weight"
 
 DRAFT_PREFIX = "draft."
 """How a trainer names its speculative draft model's tensors: `draft.` + the draft checkpoint's name. The plan
-and the wire keep the prefix; the replica loads them into its draft model without it."""
+and the wire keep the prefix; the replica loads them into its draft model without it.
+
+MTP layers (`RolloutModelInfo.mtp_prefixes`) are the one exception on the trainer's side: they are in the
+target's own checkpoint, so a trainer names them as it does (`model.mtp_layers.0.*`); the plan still sends them
+as `draft.` + that name, so the replica routes every draft tensor one way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,9 @@ class RolloutModelInfo:
     weights: tuple[ExpectedWeight, ...] | None = None  # None: unknown, the plan is not checked against it
     vocab_size: int | None = None  # for the logprob probe's prompts
     draft: RolloutModelInfo | None = None  # its speculative draft model's, if it decodes with one
+    mtp_prefixes: tuple[str, ...] = ()
+    """A draft of MTP layers: where the target's checkpoint holds them (`model.mtp_layers.0.`), and so the names a
+    trainer sends them under; empty for a draft model of its own checkpoint (sent as `draft.` + its names)."""
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> RolloutModelInfo:
@@ -61,15 +69,24 @@ class RolloutModelInfo:
                    vocab_size=int(vocab) if vocab else None)
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, *, from_files: bool) -> RolloutModelInfo:
+    def from_checkpoint(cls, model_dir: str | Path, *, from_files: bool, mtp: bool = False) -> RolloutModelInfo:
         """From a rollout's model directory, with its expected weights (see `expected_weights`).
 
-        `from_files`: the engine loaded the checkpoint's files (not `load_format="dummy"`).
+        `from_files`: the engine loaded the checkpoint's files (not `load_format="dummy"`). `mtp`: the engine
+        drafts with the checkpoint's MTP layers (vLLM's `method="mtp"`): they become its draft's expected
+        weights, planned in the draft's own quantization form (the target's scheme, which vLLM's drafter
+        shares), and leave the target's.
         """
         config = json.loads((Path(model_dir) / "config.json").read_text())
         info = cls.from_hf_config(config)
+        weights = expected_weights(model_dir, info.quantization_config, from_files=from_files)
+        if not mtp:
+            return cls(info.quantization_config, info.tie_word_embeddings, weights, info.vocab_size)
+        prefixes = mtp_prefixes(config)
+        draft = cls(info.quantization_config, False, tuple(w for w in weights if w.name.startswith(prefixes)),
+                    info.vocab_size, mtp_prefixes=prefixes)  # untied: it shares the target's lm_head, never loads one
         return cls(info.quantization_config, info.tie_word_embeddings,
-                   expected_weights(model_dir, info.quantization_config, from_files=from_files), info.vocab_size)
+                   tuple(w for w in weights if not w.name.startswith(prefixes)), info.vocab_size, draft)
 
     def with_draft(self, draft: RolloutModelInfo | None) -> RolloutModelInfo:
         return replace(self, draft=draft)
@@ -176,14 +193,23 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
 
     Every problem found is reported at once, before anything runs. Tensors named `draft.` + a name go to the
     rollout's draft model (planned against its own checkpoint), after the target's, unless `config.draft` is
-    "frozen" or the rollout has no draft.
+    "frozen" or the rollout has no draft; so do a rollout's MTP layers (`RolloutModelInfo.mtp_prefixes`), which
+    the trainer names as the target's checkpoint does, and which are then sent as `draft.` + that name.
     """
-    target = [m for m in sources if not m.name.startswith(DRAFT_PREFIX)]
-    ordered = _planned(target, rollout_model, config)
-    drafts = [m.renamed(lambda name: name.removeprefix(DRAFT_PREFIX)) for m in sources if m.name.startswith(DRAFT_PREFIX)]
-    if drafts and rollout_model.draft is not None and config.draft is Draft.SYNC:
-        ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=DRAFT_PREFIX + t.source)
-                    for t in _planned(drafts, rollout_model.draft, config, model="the draft")]
+    draft_info = rollout_model.draft
+    mtp = draft_info.mtp_prefixes if draft_info is not None else ()
+
+    def is_draft(name: str) -> bool:
+        return name.startswith(DRAFT_PREFIX) or bool(mtp) and name.startswith(mtp)
+
+    ordered = _planned([m for m in sources if not is_draft(m.name)], rollout_model, config)
+    drafts = [m for m in sources if is_draft(m.name)]
+    if drafts and draft_info is not None and config.draft is Draft.SYNC:
+        sent_as = {m.name.removeprefix(DRAFT_PREFIX): m.name for m in drafts}  # a draft's name -> the trainer's
+        planned = _planned([m.renamed(lambda name: name.removeprefix(DRAFT_PREFIX)) for m in drafts], draft_info,
+                           config, model="the draft")
+        ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=sent_as.get(t.source, DRAFT_PREFIX + t.source))
+                    for t in planned]
     return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on)
 
 
