@@ -95,9 +95,6 @@ class EngineConfig:
         if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int)
                                            or self.lora_rank < 1):
             problems.append(f"lora_rank={self.lora_rank!r}: expected a positive int or None")
-        elif self.lora_rank is not None and self.load_format == "dummy":
-            problems.append("lora_rank with load_format='dummy': a replica serving LoRA adapters loads its base from its "
-                            "checkpoint (a weight sync does not reach vLLM's LoRA-wrapped layers yet, docs/lora.md)")
         for name in ("max_model_len", "tensor_parallel_size", "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

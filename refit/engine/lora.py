@@ -20,17 +20,52 @@ Runs in each vLLM worker (imports vLLM); `RefitWorkerExtension` calls it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from refit.adapters.weights import AdapterWeights, check_values, lora_module
 from refit.errors import ConfigError, InvalidTensorError
 
-__all__ = ["install_adapter", "lora_rank_of", "remove_adapter"]
+__all__ = ["install_adapter", "lora_rank_of", "remove_adapter", "unwrap_lora_layers"]
 
 def lora_rank_of(vllm_config: Any) -> int | None:
     """The engine's `max_lora_rank`, or None if it serves no LoRA."""
     lora = getattr(vllm_config, "lora_config", None)
     return None if lora is None else int(lora.max_lora_rank)
+
+
+def unwrap_lora_layers(model: torch.nn.Module) -> Callable[[], None]:
+    """Put each of vLLM's LoRA layers' base layers back where the LoRA layer sits in `model`; returns the undo.
+
+    Why: with LoRA on, vLLM replaces every adaptable layer by a LoRA layer
+    holding the original as `base_layer`, so the base's parameters are named
+    `<module>.base_layer.weight`. The model's `load_weights`, the layerwise
+    reload, the expected weights and the scale provenance all speak the
+    checkpoint's names (`<module>.weight`): a weight sync through the
+    wrapped tree would load nothing into those layers. Unwrapped for the
+    length of an update, the same parameter objects are loaded under their
+    own names; the LoRA layers, put back, apply the adapters to them again.
+    """
+    try:
+        from vllm.lora.layers import BaseLayerWithLoRA
+    except ImportError:  # a vLLM build without LoRA
+        return lambda: None
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseLayerWithLoRA):
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attribute, module.base_layer)
+            swapped.append((parent, attribute, module))
+
+    def restore() -> None:
+        while swapped:
+            parent, attribute, wrapper = swapped.pop()
+            setattr(parent, attribute, wrapper)
+
+    return restore
 
 
 def install_adapter(worker: Any, lora_id: int, plain: dict[str, Any]) -> str:

@@ -220,12 +220,6 @@ class ReplicaCore:
         if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids would fail only after every weight is loaded
             token_prompts(config.calibration_prompts, vocab_size=self.facts.vocab_size, setting="calibration_prompts")
         self.engine.check(config)  # before requests are held
-        if self.engine.lora_rank is not None:
-            raise ConfigError(
-                "this replica serves LoRA adapters, and vLLM's LoRA layers wrap the base layers a weight sync loads, "
-                "which refit does not reach yet: sync its adapter (Syncer.sync_adapter) over the base it loaded from its "
-                "checkpoint, or sync merged weights into replicas without LoRA (docs/lora.md)"
-            )
         with self._lock:
             holds = self.lifecycle.open_update() is None  # a rival sync's update keeps its own hold; begin refuses it
             if holds:

@@ -35,7 +35,7 @@ every vLLM process knows it; engines opt in with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,7 @@ import torch
 
 from refit.engine.compat import incompatible_vllm, require_vllm_release
 from refit.engine.config import TRANSFER_BACKEND
+from refit.engine.lora import unwrap_lora_layers
 from refit.engine.readback import scale_mismatches
 from refit.errors import EngineError, LifecycleError, VerificationError
 
@@ -164,10 +165,15 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.provenance = ScaleProvenanceTracker(model)
-        load_format = str(vllm_config.load_config.load_format)
-        names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(vllm_config.model_config.model)
-        self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
+        rewrap = unwrap_lora_layers(model)  # scales are named as the checkpoint names them, with LoRA on too
+        try:
+            self.provenance = ScaleProvenanceTracker(model)
+            load_format = str(vllm_config.load_config.load_format)
+            names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(vllm_config.model_config.model)
+            self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
+        finally:
+            rewrap()
+        self._rewrap_lora: Callable[[], None] = _nothing
         self.amax_recorder: AttentionAmaxRecorder | None = None  # set during a KV-scale recompute
         self._update_version: int | None = None
         self._loaded: set[str] = set()  # vLLM parameter names load_weights reported
@@ -190,7 +196,12 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             self.draft = DraftModel(model, model_config, str(self.vllm_config.load_config.load_format), self.model)
 
     def start_weight_update(self) -> None:
-        """Put every layer in loadable form; buffers incoming tensors per layer."""
+        """Put every layer in loadable form; buffers incoming tensors per layer.
+
+        With LoRA on, vLLM's LoRA layers leave the model's tree until the update is finished or abandoned
+        (`unwrap_lora_layers` says why)."""
+        self._rewrap_lora()
+        self._rewrap_lora = unwrap_lora_layers(self.model)
         initialize_layerwise_reload(self.model)
         self._reload_open = True
         self._plan = None
@@ -312,6 +323,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
                     f"{len(wrong)} place(s): {', '.join(wrong[:8])}; this replica will not serve them"
                 )
         self._sent_scales = {}
+        self._restore_lora_layers()
 
     def abandon(self) -> None:
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
@@ -322,6 +334,11 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         if self._update_version is not None:
             # What was loaded is live: record it, so provenance stays true.
             self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
+        self._restore_lora_layers()
+
+    def _restore_lora_layers(self) -> None:
+        rewrap, self._rewrap_lora = self._rewrap_lora, _nothing
+        rewrap()
 
     def _finalize(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
@@ -332,6 +349,10 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
 
     def shutdown(self) -> None:
         self.leave_group()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _expected_weights(model: torch.nn.Module) -> frozenset[str]:

@@ -75,8 +75,6 @@ def test_engine_config_serves_lora_adapters_with_room_for_two_over_a_base_it_loa
     assert "enable_lora" not in EngineConfig(model=MODEL).llm_kwargs(on_gpu=False)
     with pytest.raises(ConfigError, match="lora_rank=0: expected a positive int"):
         EngineConfig(model=MODEL, lora_rank=0)
-    with pytest.raises(ConfigError, match="lora_rank with load_format='dummy'"):
-        EngineConfig(model=MODEL, lora_rank=8, load_format="dummy")
     with pytest.raises(ConfigError, match=r"extra sets \['max_loras'\]: refit sets these .* lora_rank"):
         EngineConfig(model=MODEL, extra={"max_loras": 4})
 

@@ -18,6 +18,8 @@ import refit
 
 ENGINE = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3", "max_model_len": 128, "enforce_eager": True,
           "skip_tokenizer_init": True}
+LORA_RANK = 8
+"""What tests/sync/test_user_engines.py starts them with: serving LoRA adapters too (`refit.engine_kwargs(lora_rank=...)`)."""
 
 
 @ray.remote
@@ -25,11 +27,11 @@ class UserLLMRollout(refit.ReplicaMethods):
     """A threaded actor with an in-process `vllm.LLM` (one request batch at a time)."""
 
     def __init__(self, model_dir: str, lora_rank: int | None = None) -> None:
-        """`lora_rank`: serve LoRA adapters too, over the base loaded from `model_dir` (docs/lora.md)."""
+        """`lora_rank`: serve LoRA adapters up to that rank too (docs/lora.md)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        self.llm = LLM(model=model_dir, **_engine(lora_rank), **refit.engine_kwargs(lora_rank=lora_rank))
+        self.llm = LLM(model=model_dir, **ENGINE, **refit.engine_kwargs(lora_rank=lora_rank))
         self.replica = refit.llm_replica(self.llm)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -51,7 +53,7 @@ class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(model=model_dir, **_engine(lora_rank), **refit.engine_kwargs(lora_rank=lora_rank))
+        args = AsyncEngineArgs(model=model_dir, **ENGINE, **refit.engine_kwargs(lora_rank=lora_rank))
         self.llm = AsyncLLM.from_engine_args(args)
         self.replica = refit.async_llm_replica(self.llm)
 
@@ -59,8 +61,3 @@ class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
         done = [await self.replica.serve(p, max_tokens) for p in prompts]
         return [c.token_ids for c in done], [c.logprobs for c in done]
 
-
-def _engine(lora_rank: int | None) -> dict:
-    """The seed bug's engine, or, serving LoRA adapters, one that loads its base from the checkpoint (vLLM's LoRA
-    layers wrap the base's, which a base sync does not reach yet: docs/lora.md)."""
-    return ENGINE if lora_rank is None else {**ENGINE, "load_format": "auto", "kv_cache_dtype": "auto"}

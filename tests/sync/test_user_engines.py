@@ -8,6 +8,11 @@ its placeholder KV scales. The drifted failure path (a failed completeness
 check) runs on every replica kind: the replica closes the update itself,
 without waiting for the driver's abort.
 
+All three serve LoRA adapters too (`lora_rank=8`): the trainer trains one
+over its frozen base, a no-op until it trains (peft starts lora_B at zero),
+so the weight syncs above carry the base, through vLLM's LoRA layers, and
+an adapter sync then reaches every kind.
+
 Three engines for the whole module (~15 s each): assertions are
 parametrized over the replica kinds, never a new engine per test.
 """
@@ -20,7 +25,8 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, make_prompts, model_dir
 from refit import Phase
-from tests.support.user_engines import UserAsyncLLMRollout, UserLLMRollout
+from tests.support.lora import LORA
+from tests.support.user_engines import LORA_RANK, UserAsyncLLMRollout, UserLLMRollout
 
 KINDS = ["llm", "async_llm"]
 PROMPTS = make_prompts(4, 8, seed=5)
@@ -28,16 +34,17 @@ COLLECTIVE = refit.SyncConfig(transport="collective")
 
 
 def _user(actor_class, node: int, model: str, factory):
-    return factory.keep(actor_class.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(model))
+    return factory.keep(actor_class.options(num_cpus=0, resources={f"node{node}": 0.01}).remote(model, LORA_RANK))
 
 
 @pytest.fixture(scope="module")
 def replicas(module_actors):
     """Trainer, reference and both user-engine replicas, each synced once; the statuses they had before."""
     model = str(model_dir(True, "fp8_block"))
-    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0, lora=LORA, lr=1e-2)
     kinds = {
-        "reference": module_actors.rollout(model, node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3"),
+        "reference": module_actors.rollout(model, node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3",
+                                           lora_rank=LORA_RANK),
         "llm": _user(UserLLMRollout, 2, model, module_actors),
         "async_llm": _user(UserAsyncLLMRollout, 2, model, module_actors),
     }
@@ -100,3 +107,21 @@ def test_a_failed_completeness_check_closes_the_update_on_the_replica_itself(rep
     assert ray.get(replica.last_update.remote())["outcome"].startswith("failed: finishing the reload failed")
     assert ray.get(replica.abort_update.remote("incomplete", "the driver's abort, after the fact")) == status
     assert _generate(kind, replica, PROMPTS[:1])[0] == tokens_before
+
+
+def test_an_adapter_sync_reaches_every_replica_kind_and_each_serves_what_the_reference_serves(replicas):
+    """One `sync_adapter` for all three: staged on each, then served by each, over vLLM's worker RPC whatever the
+    engine (an AsyncLLM's core in its own process too); the base the weight syncs put under the LoRA layers stays."""
+    trainer, kinds, _ = replicas
+    before = _generate("reference", kinds["reference"], PROMPTS)
+    ray.get(trainer.train_step.remote([list(p) + [(p[-1] - i) % 512 for i in range(1, 9)] for p in PROMPTS]), timeout=120)
+    report = refit.Syncer(trainer, list(kinds.values())).sync_adapter()
+    assert sorted(swap["serving"] for swap in report.replicas.values()) == [f"policy v{report.version}"] * 3
+    assert _generate("reference", kinds["reference"], PROMPTS)[1] != before[1]  # the adapter is served
+    for kind in KINDS:
+        batches = [PROMPTS] if kind == "llm" else [[p] for p in PROMPTS]
+        for batch in batches:
+            tokens, logprobs = _generate(kind, kinds[kind], batch)
+            ref_tokens, ref_logprobs = _generate("reference", kinds["reference"], batch)
+            assert tokens == ref_tokens
+            assert max(abs(a - b) for row, ref in zip(logprobs, ref_logprobs) for a, b in zip(row, ref)) < 1e-5
