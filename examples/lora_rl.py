@@ -25,7 +25,6 @@ dataset, through the FP8 rollouts.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ sys.path.insert(0, str(REPO))  # the toy task and tiny models this repository sh
 
 import refit  # noqa: E402
 from actors import RolloutActor, TrainerActor  # noqa: E402
-from examples.rl_loop import sample_batch, train_on_batch  # noqa: E402
+from examples.rl_loop import loop_arguments, sample_batch, train_on_batch  # noqa: E402
 from fixtures import NEW_TOKENS, PROMPT_LEN, VOCAB_SIZE, make_prompts, model_dir  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -99,13 +98,7 @@ def start_actors(rollouts: int, options: dict | None = None):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", help="an existing Ray cluster (default: start a local instance)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=32, help="prompts in the dataset, each sampled every round")
-    parser.add_argument("--group", type=int, default=8, help="sampled completions per prompt")
-    parser.add_argument("--warmup-steps", type=int, default=4)
-    args = parser.parse_args(argv)
+    args = loop_arguments(__doc__, rounds=6, prompts=32, warmup_steps=4).parse_args(argv)
     ray.init(address=args.address or "local")
     try:
         start = time.perf_counter()

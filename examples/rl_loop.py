@@ -242,13 +242,19 @@ def rollout_engine() -> refit.EngineConfig:
     return refit.EngineConfig(model=str(model_dir(True, "fp8_block")), load_format="dummy", kv_cache_dtype="fp8_e4m3")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def loop_arguments(description: str, *, rounds: int, prompts: int, warmup_steps: int) -> argparse.ArgumentParser:
+    """The command line of a GRPO loop script: where Ray runs, and the loop's sizes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local instance)")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=64, help="prompts in the dataset, each sampled every round")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--prompts", type=int, default=prompts, help="prompts in the dataset, each sampled every round")
     parser.add_argument("--group", type=int, default=8, help="sampled completions per prompt")
-    parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = loop_arguments(__doc__, rounds=8, prompts=64, warmup_steps=30)
     parser.add_argument("--transport", default="ray", choices=["ray", "collective"], help="how the weights travel")
     args = parser.parse_args(argv)
     ray.init(address=args.address)
