@@ -98,7 +98,8 @@ def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance
 
     shown = {r["name"]: r for r in json.loads(inspect("--json"))}
     mine = shown[f"{NAMESPACE}/{SHARED_REPLICAS[0]}"]
-    assert mine["status"] == {"phase": "serving", "served_version": report.version, "reason": None, "sync_id": None}
+    assert mine["status"] == {"phase": "serving", "served_version": report.version, "reason": None, "sync_id": None,
+                              "adapter": None}
     assert mine["last_update"]["outcome"] == "served" and mine["last_update"]["version"] == report.version
     assert mine["last_update"]["buckets"] == report.buckets
     sources = {(s["module"], s["scale"]): s["source"] for s in mine["scales"]}

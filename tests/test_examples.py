@@ -211,7 +211,7 @@ LORA_ROUND = re.compile(
 @pytest.mark.engine
 def test_lora_rl_learns_through_adapter_only_syncs_into_fp8_rollouts(ray_cluster):
     """examples/lora_rl.py: each round sends the adapter alone, the rollouts serve it, and the reward rises."""
-    out = run_python(["examples/lora_rl.py", "--address", ray_cluster.address, "--rounds", "4"])
+    out = run_python(["examples/lora_rl.py", "--address", ray_cluster.address, "--rounds", "4", "--prompts", "16"])
     rounds = LORA_ROUND.findall(out)
     assert len(rounds) == 4, out
     for index, (round_, version, kib, served, _, rollout, trainer) in enumerate(rounds):
@@ -219,5 +219,5 @@ def test_lora_rl_learns_through_adapter_only_syncs_into_fp8_rollouts(ray_cluster
         assert int(kib) == 256  # 7 projections x 2 layers, rank 8, fp32: the adapter alone
         assert abs(float(rollout) - float(trainer)) <= 0.1, out  # FP8 base + adapter serves the bf16 policy
     rewards = [float(r[4]) for r in rounds]
-    assert rewards[-1] >= rewards[0] + 0.05, out  # it learns (measured: 0.477 -> 0.571 in 4 rounds, 0.635 in 6)
+    assert rewards[-1] >= rewards[0] + 0.05, out  # it learns (measured with 16 prompts: 0.314 -> 0.469 in 4 rounds)
     assert "Traceback" not in out

@@ -26,6 +26,7 @@ from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.actors import STARTUP_S, started
+from tests.support.lora import LORA
 from tests.support.server import RefitServer, ServerSignalledAfterBegin, free_port
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
@@ -135,6 +136,16 @@ def test_a_transport_whose_bytes_would_cross_http_is_refused_naming_collective(s
         refit.sync(trainer, replica, refit.SyncConfig(transport="ray"))
     status = ray.get(replica.status.remote())
     assert (status.phase, status.served_version) == (Phase.SERVING, served)
+
+
+def test_an_adapter_sync_is_refused_naming_why_a_server_cannot_take_one_from_memory(synced, actors_factory):
+    """vLLM's routes name an adapter by a directory it loads and requests name it by model name (docs/lora.md)."""
+    _, _, replica, _, _ = synced
+    served = ray.get(replica.status.remote())
+    lora_trainer = actors_factory.trainer(model_dir(True, "bf16"), lora=LORA)
+    with pytest.raises(refit.ConfigError, match=r"serves no LoRA adapters.*`vllm serve` replica cannot take adapters"):
+        refit.Syncer(lora_trainer, replica).sync_adapter()
+    assert ray.get(replica.status.remote()) == served
 
 
 def test_an_unreachable_url_fails_the_replica_naming_the_url_and_what_to_do(ray_cluster):
