@@ -22,6 +22,7 @@ __all__ = [
     "BucketStream",
     "Outcome",
     "call_all",
+    "call_groups",
     "dead_members",
     "first_claim",
     "is_actor",
@@ -138,6 +139,13 @@ def _wait_until_a_death(pending: list[tuple[str, Any]], method: str, timeout_s: 
 def call_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any, timeout_s: float) -> list[Outcome]:
     """`submit_all` then `wait_all`."""
     return wait_all(submit_all(targets, method, *args), method, timeout_s=timeout_s)
+
+
+def call_groups(groups: Sequence[tuple[Sequence[tuple[str, Any]], str, tuple]], *, timeout_s: float) -> list[list[Outcome]]:
+    """Several `call_all`s, `(targets, method, args)` each, in one round: every call is sent before any is waited for,
+    so the questions a sync asks between its steps cost one round trip, not one each."""
+    pending = [(submit_all(targets, method, *args), method) for targets, method, args in groups]
+    return [wait_all(calls, method, timeout_s=timeout_s) for calls, method in pending]
 
 
 def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:

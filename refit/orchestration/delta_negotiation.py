@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit.engine.lifecycle import FinishedUpdate
-from refit.orchestration.calls import call_all, raise_first_error
+from refit.orchestration.calls import Outcome, call_groups, raise_first_error
 from refit.orchestration.fleet import Roll
 from refit.plan.config import SyncConfig
 from refit.protocols import accepts, has_method
@@ -49,10 +49,12 @@ class DeltaNegotiation:
             return None, {}
         if not self.config.keeps_delta_base:
             return DeltaMode.OFF, {}
-        digest = self.sender_digest()
-        transport = str(self.config.transport)
         askable = [(who, r) for who, r in roll.members if has_method(r, "base_digest")]
-        held = {o.who: o.value for o in call_all(askable, "base_digest", transport, timeout_s=self.config.timeout_s) if o.ok}
+        entries, held = call_groups([(self.sources, "base_entries", ()),
+                                     (askable, "base_digest", (str(self.config.transport),))],
+                                    timeout_s=self.config.timeout_s)
+        digest = self.sender_digest(entries)
+        held = {o.who: o.value for o in held if o.ok}
         modes = {who: "delta" if digest is not None and held.get(who) == digest else "full" for who, _ in roll.members}
         if all(mode == "full" for mode in modes.values()):
             return DeltaMode.FULL, modes
@@ -69,15 +71,23 @@ class DeltaNegotiation:
         return all(has_method(source, "base_entries") and accepts(source, "stream_buckets", "delta")
                    for _, source in self.sources)
 
-    def sender_digest(self) -> str | None:
-        """The digest of what the trainer's ranks last streamed (None before their first stream)."""
-        entries = raise_first_error(call_all(self.sources, "base_entries", timeout_s=self.config.timeout_s))
+    def entry_sources(self) -> list[tuple[str, Any]]:
+        """The ranks to ask `base_entries` after a sync (none when deltas are off): `settled`'s question."""
+        return self.sources if self.config.keeps_delta_base and self.sources_keep_bases() else []
+
+    @staticmethod
+    def sender_digest(outcomes: list[Outcome]) -> str | None:
+        """The digest of what the trainer's ranks last streamed, from their `base_entries` (None before their first
+        stream)."""
+        entries = raise_first_error(outcomes)
         merged = [tuple(entry[:3]) + (tuple(entry[3]),) + tuple(entry[4:]) for rank in entries for entry in rank]
         return version_digest(merged) if merged else None
 
-    def settled(self, sync_id: str, version: int, finished: dict[str, FinishedUpdate]) -> str | None:
-        """After a sync: the trainer's digest (None when deltas are off), naming the replicas that hold another one."""
-        digest = self.sender_digest() if self.config.keeps_delta_base and self.sources_keep_bases() else None
+    def settled(self, sync_id: str, version: int, finished: dict[str, FinishedUpdate],
+                entries: list[Outcome]) -> str | None:
+        """After a sync: the trainer's digest from the ranks' `base_entries` (asked of `entry_sources`; None when deltas
+        are off), naming the replicas that hold another one."""
+        digest = self.sender_digest(entries) if entries else None
         unequal = [who for who, f in finished.items() if digest is not None and f.digest not in (None, digest)]
         if unequal:
             log.warning("sync %s v%d: %s hold(s) a version whose digest differs from the trainer's %s; their next sync is "

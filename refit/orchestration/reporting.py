@@ -14,14 +14,13 @@ from typing import Any, NamedTuple
 
 from refit.engine.lifecycle import FinishedUpdate
 from refit.errors import EngineError
-from refit.orchestration.calls import call_all
+from refit.orchestration.calls import Outcome
 from refit.orchestration.fleet import Roll, replica_id
 from refit.orchestration.report import ReplicaReport, SyncReport
-from refit.plan.config import SyncConfig
 from refit.plan.transfer_plan import TransferPlan
 from refit.protocols import has_method
 
-__all__ = ["Attempt", "check_finished", "sync_report"]
+__all__ = ["Attempt", "check_finished", "report_questions", "sync_report"]
 
 
 class Attempt(NamedTuple):
@@ -42,17 +41,30 @@ def check_finished(finished: dict[str, Any]) -> None:
         raise EngineError("finish_update must return a refit.engine.lifecycle.FinishedUpdate:\n  " + "\n  ".join(wrong))
 
 
-def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str, float], sources: list[tuple[str, Any]],
-                config: SyncConfig, *, start: float, startup_seconds: float, plan_seconds: float, digest: str | None) -> SyncReport:
-    """What the sync did, per stage (`stages`, seconds) and per replica; `start`: when it began (`time.perf_counter`)."""
-    nodes = _node_ids(roll.members, config.timeout_s)
+def report_questions(roll: Roll, sources: list[tuple[str, Any]], known_nodes: dict[str, str]) -> list[tuple]:
+    """What the report asks the members, as `call_groups` groups: where each replica runs (if not known from an earlier
+    sync: a replica's actor never moves), and what the trainer's ranks say their stream cost (optional: custom
+    trainers may not measure themselves)."""
+    measured = sources if all(has_method(source, "last_stream_stats") for _, source in sources) else []
+    return [([m for m in roll.members if m[0] not in known_nodes], "node_id", ()), (measured, "last_stream_stats", ())]
+
+
+def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str, float], answers: list[list[Outcome]],
+                known_nodes: dict[str, str], *, start: float, startup_seconds: float, plan_seconds: float,
+                digest: str | None) -> SyncReport:
+    """What the sync did, per stage (`stages`, seconds) and per replica; `answers`: to `report_questions`, whose node
+    ids join `known_nodes`; `start`: when the sync began (`time.perf_counter`)."""
+    node_answers, stats = answers
+    # "" for a replica that no longer answers: the sync is done, that is no reason to fail it (and it is asked again).
+    known_nodes.update({o.who: o.value for o in node_answers if o.ok})
+    nodes = {who: known_nodes.get(who, "") for who in done.finished}
     return SyncReport(
         version=done.version,
         tensors=len(plan.tensors),
         buckets=len(plan.buckets),
         bytes_on_wire=plan.wire_bytes,
         plan_seconds=plan_seconds,
-        **_trainer_stats(sources, config.timeout_s),
+        **_trainer_stats(stats),
         total_seconds=time.perf_counter() - start,
         replicas=tuple(
             ReplicaReport(replica_id(who), nodes[who], done.version, done.load_seconds.get(who, 0.0), f.seconds,
@@ -71,19 +83,10 @@ def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str,
     )
 
 
-def _node_ids(members: list[tuple[str, Any]], timeout_s: float) -> dict[str, str]:
-    """Where each member runs; "" for one that no longer answers (the sync is done: that is no reason to fail it)."""
-    return {o.who: o.value if o.ok else "" for o in call_all(members, "node_id", timeout_s=timeout_s)}
-
-
-def _trainer_stats(sources: list[tuple[str, Any]], timeout_s: float) -> dict[str, Any]:
-    """The slowest rank's producing time and the bytes all ranks gathered. Optional in the protocol: custom trainers
-    may not measure themselves (then None)."""
+def _trainer_stats(outcomes: list[Outcome]) -> dict[str, Any]:
+    """The slowest rank's producing time and the bytes all ranks gathered; None where the ranks did not say."""
     unknown = {"trainer_seconds": None, "gathered_bytes": None}
-    if not all(has_method(source, "last_stream_stats") for _, source in sources):
-        return unknown
-    outcomes = call_all(sources, "last_stream_stats", timeout_s=timeout_s)
-    if not all(o.ok and isinstance(o.value, dict) and "seconds" in o.value for o in outcomes):
+    if not outcomes or not all(o.ok and isinstance(o.value, dict) and "seconds" in o.value for o in outcomes):
         return unknown
     gathered = [o.value.get("gathered_bytes") for o in outcomes]
     return {"trainer_seconds": max(float(o.value["seconds"]) for o in outcomes),

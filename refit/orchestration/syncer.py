@@ -64,7 +64,7 @@ from typing import Any
 from refit.engine.lifecycle import FinishedUpdate
 from refit.errors import BaseMismatchError, ConfigError, LifecycleError, PlanMismatchError
 from refit.orchestration.adapter_sync import sync_adapter
-from refit.orchestration.calls import call_all, first_claim, raise_first_error
+from refit.orchestration.calls import call_all, call_groups, first_claim, raise_first_error
 from refit.orchestration.collective_group import CollectiveGroupLifecycle
 from refit.orchestration.delta_negotiation import DeltaNegotiation
 from refit.orchestration.failures import failed
@@ -72,7 +72,7 @@ from refit.orchestration.fleet import Roll
 from refit.orchestration.membership import Membership, check_same_model, checked_sources, wait_for_actors
 from refit.orchestration.metrics import record_sync
 from refit.orchestration.report import AdapterSyncReport, SyncReport
-from refit.orchestration.reporting import Attempt, check_finished, sync_report
+from refit.orchestration.reporting import Attempt, check_finished, report_questions, sync_report
 from refit.orchestration.streaming import BucketRelay
 from refit.plan.config import SyncConfig, Verify
 from refit.plan.tensors import TensorMeta
@@ -120,6 +120,7 @@ class Syncer:
         self._rollout_model: RolloutModelInfo | None = None
         self._started = False  # every actor has finished its constructor (awaited once)
         self._adapter_version = 0  # of the last adapter sync
+        self._nodes: dict[str, str] = {}  # replica name -> the Ray node it runs on (an actor never moves)
 
     # -- membership (refit/orchestration/membership.py) -----------------------------------
     @property
@@ -254,8 +255,11 @@ class Syncer:
         else:
             log.info("sync %s v%d: every replica serves it (%.3f s)", done.sync_id, done.version, time.perf_counter() - start)
         check_finished(done.finished)
-        digest = self._delta.settled(done.sync_id, done.version, done.finished)
-        report = sync_report(plan, done, roll, stages, self._sources, self.config, start=start, startup_seconds=startup_seconds,
+        # What the report and the delta bookkeeping ask the members, in one round.
+        entries, *answers = call_groups([(self._delta.entry_sources(), "base_entries", ()),
+                                         *report_questions(roll, self._sources, self._nodes)], timeout_s=self.config.timeout_s)
+        digest = self._delta.settled(done.sync_id, done.version, done.finished, entries)
+        report = sync_report(plan, done, roll, stages, answers, self._nodes, start=start, startup_seconds=startup_seconds,
                              plan_seconds=plan_seconds, digest=digest)
         if report.probe_breached:
             log.warning("sync %s v%d: the logprob probe breached its thresholds (flagged, not failed)", done.sync_id, done.version)
