@@ -25,6 +25,7 @@ bench: env
 	$(PY) -m benchmarks.bench_sync --write-docs
 	$(PY) -m benchmarks.bench_sharded --write-docs
 	$(PY) -m benchmarks.bench_transport --write-docs
+	$(PY) -m benchmarks.bench_latency --write-docs
 
 # Regenerates the committed model fixtures: trains the tiny models in the main
 # venv, then quantizes them with the real llmcompressor in its own venv.

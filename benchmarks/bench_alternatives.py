@@ -338,7 +338,8 @@ def plot(sizes: list[SizeResult], path: Path) -> None:
 
 
 @contextmanager
-def cluster() -> Iterator[None]:
+def cluster(nodes: int = 2) -> Iterator[None]:
+    """The cluster `RAY_ADDRESS` names (the tests'), else a local one of `nodes` nodes."""
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         try:
@@ -346,7 +347,7 @@ def cluster() -> Iterator[None]:
         finally:
             ray.shutdown()
     else:
-        with local_cluster(nodes=2):
+        with local_cluster(nodes=nodes):
             yield
 
 

@@ -130,3 +130,13 @@ def test_the_delta_benchmark_measures_delta_and_full_syncs_of_one_state_and_writ
     assert 0 < result["delta"]["bytes"] < result["full"]["bytes"]
     assert 0 < summary["base_bytes"]["trainer"] <= summary["base_bound_bytes"]
     assert _docs_table.PAGE.read_text() == committed  # no --write-docs: the committed page is left alone
+
+
+@pytest.mark.engine
+def test_the_latency_benchmark_syncs_the_fixture_to_two_replicas_and_prints_each_stages_median(ray_cluster):
+    committed = _docs_table.PAGE.read_text()
+    out = run_python(["-m", "benchmarks.bench_latency", "--syncs", "2"], ray_address=ray_cluster.address)
+    assert re.search(r"tiny Qwen3 fixture, 1\.63 MiB full, to 2 replicas, 2 syncs \(delta\); medians:", out), out
+    for stage in ("total", "begin", "stream", "finish", "report and the rest"):
+        assert re.search(rf"^  {stage} +[\d.]+ ms", out, re.MULTILINE), out
+    assert _docs_table.PAGE.read_text() == committed

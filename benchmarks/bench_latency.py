@@ -1,0 +1,77 @@
+"""A small model's sync is fixed cost: how long the 1.6 MiB fixture takes to reach two replicas, and where it goes.
+
+The tiny Qwen3 fixture (bf16 trainer on node 0; its FP8_BLOCK checkpoint
+dummy-loaded, FP8 KV cache, in two rollouts on nodes 1 and 2), synced with
+the default `SyncConfig` `--syncs` times, the trainer taking a small AdamW
+step before each (untimed), so each sync after the first is a delta of a
+real update. At this size the bytes are nothing; what is left is the
+remote rounds between driver, trainer and replicas, Ray's streaming
+generator, and vLLM's layerwise reload. Prints the medians of the total and
+of each stage (issue 49's target: at most 25 ms). Run with
+`.venv/bin/python -m benchmarks.bench_latency`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import ray
+
+import refit
+from actors import RolloutActor, TrainerActor
+from benchmarks import _docs_table
+from benchmarks.bench_alternatives import cluster
+from fixtures import make_sequences, model_dir
+
+TARGET_S = 0.025
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--syncs", type=int, default=20)
+    _docs_table.add_write_docs_argument(parser, "bench_latency")
+    args = parser.parse_args(argv)
+    engine = refit.EngineConfig(model=str(model_dir(False, "fp8_block")), load_format="dummy", kv_cache_dtype="fp8_e4m3",
+                                max_model_len=128, kv_cache_bytes=64 << 20)
+    with cluster(nodes=3):
+        trainer = TrainerActor.options(num_cpus=0, resources={"node0": 0.01}).remote(str(model_dir(False, "bf16")),
+                                                                                      lr=1e-5)
+        rollouts = [RolloutActor.options(num_cpus=0, resources={f"node{n}": 0.01}).remote(engine) for n in (1, 2)]
+        try:
+            syncer = refit.Syncer(trainer, rollouts)
+            syncer.sync()  # warm-up: plan, first-touch allocations, the first delta bases
+            reports = []
+            for step in range(args.syncs):
+                ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=step).tolist()), timeout=600)
+                reports.append(syncer.sync())
+        finally:
+            for actor in (trainer, *rollouts):
+                ray.kill(actor)
+    printed = table(reports)
+    print(printed)
+    if args.write_docs:
+        _docs_table.write_block("bench_latency", printed, argv=argv)
+
+
+def table(reports: list[refit.SyncReport]) -> str:
+    def median_ms(values) -> str:
+        return f"{statistics.median(values) * 1e3:7.1f} ms"
+
+    def rest(r: refit.SyncReport) -> float:
+        return r.total_seconds - r.begin_seconds - r.stream_seconds - r.finish_seconds
+
+    modes = sorted({r.mode for report in reports for r in report.replicas})
+    lines = [f"tiny Qwen3 fixture, {reports[0].bytes_on_wire / 2**20:.2f} MiB full, to 2 replicas, {len(reports)} syncs "
+             f"({'/'.join(modes)}); medians:",
+             f"  total                {median_ms([r.total_seconds for r in reports])}   (target {TARGET_S * 1e3:.0f} ms)",
+             f"  begin                {median_ms([r.begin_seconds for r in reports])}",
+             f"  stream               {median_ms([r.stream_seconds for r in reports])}",
+             f"  finish               {median_ms([r.finish_seconds for r in reports])}",
+             f"  report and the rest  {median_ms([rest(r) for r in reports])}",
+             f"  bytes received       {statistics.median(max(x.bytes_received for x in r.replicas) for r in reports) / 2**10:7.1f} KiB"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
