@@ -19,6 +19,7 @@ Words used throughout:
 - *loadable form*: the tensors vLLM's loaders take for a weight (for FP8_BLOCK:
   FP8 `weight` plus `weight_scale`, as an llmcompressor checkpoint holds them);
 - *checkpoint*: a model directory on disk, and nothing else;
+- *adapter*: a LoRA adapter synced alone over a replica's base (`Syncer.sync_adapter`, refit/adapters/);
 - *checkpoint format*: the names and shapes a checkpoint of the model holds,
   which is what vLLM's loaders take (MoE experts one by one, where transformers
   fuses them in memory; `refit.CheckpointView` maps one to the other).
@@ -50,13 +51,14 @@ from refit.errors import (
 )
 
 if TYPE_CHECKING:  # what `_LAZY` resolves at run time, spelled out for type checkers and IDEs
+    from refit.adapters import AdapterMeta, AdapterWeights, ServedAdapter
     from refit.engine.async_llm import AsyncReplica, AsyncReplicaMethods, async_llm_replica
     from refit.engine.config import EngineConfig, engine_kwargs
     from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
     from refit.engine.llm import llm_replica
-    from refit.engine.replica import ReplicaCore, ReplicaMethods
+    from refit.engine.replica import ReplicaCore, ReplicaMethods, Serving
     from refit.engine.server import server_replica
-    from refit.orchestration import Syncer, SyncReport, sync
+    from refit.orchestration import AdapterSyncReport, Syncer, SyncReport, sync
     from refit.plan import (
         CheckpointView,
         Delta,
@@ -90,6 +92,11 @@ _LAZY = {
     "Draft": "refit.plan",
     "Verify": "refit.plan",
     "SyncReport": "refit.orchestration",
+    "AdapterSyncReport": "refit.orchestration",
+    "AdapterWeights": "refit.adapters",
+    "AdapterMeta": "refit.adapters",
+    "ServedAdapter": "refit.adapters",
+    "Serving": "refit.engine.replica",
     "TensorMeta": "refit.plan",
     "TransferPlan": "refit.plan",
     "describe_weights": "refit.plan",
