@@ -63,7 +63,8 @@ def test_an_async_llm_replica_syncs_its_draft_and_measures_its_acceptance(actors
     from actors import AsyncRolloutActor
 
     trainer = actors_factory.trainer(model_dir(False, "bf16"), draft_dir=str(model_dir(False, "bf16")))
-    config = refit.EngineConfig(model=str(FP8), load_format="dummy", draft_model=str(FP8), max_model_len=128,
+    bf16 = str(model_dir(False, "bf16"))  # FP8 targets and drafts are the test above's; its reference kernel is slow
+    config = refit.EngineConfig(model=bf16, load_format="dummy", draft_model=bf16, max_model_len=128,
                                 kv_cache_bytes=64 << 20)
     replica = actors_factory.keep(AsyncRolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(config))
     report = refit.sync(trainer, [replica], refit.SyncConfig(transport="collective"))

@@ -24,9 +24,8 @@ PROMPTS = make_prompts(8, PROMPT_LEN, seed=53)
 
 
 def test_mtp_layers_sync_with_their_target_and_a_frozen_drafter_keeps_its_bytes(actors_factory):
-    fresh = actors_factory.rollout(MIMO, node=1, own_process=True, **MTP)  # loaded from the checkpoint
+    fresh = actors_factory.rollout(MIMO, node=2, **MTP)  # loaded from the checkpoint
     reference = run_in(fresh, drafter_state), run_in(fresh, target_state)
-    ray.kill(fresh)
 
     trainer = actors_factory.trainer(MIMO)
     assert run_in(trainer, with_mtp_layers, str(MIMO))
