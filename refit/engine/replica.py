@@ -378,7 +378,6 @@ class ReplicaCore:
             if retired is not None and self.adapters.retired(None) is not None:
                 self._unload_quietly(retired, timeout_s=None)
                 unloaded = str(retired)
-            self._record(sync_id, None, f"serving adapter {served}", adapter=str(served))
             return {"serving": str(served), "retired": None if retired is None else str(retired), "unloaded": unloaded}
 
     def unstage_adapter(self, sync_id: str, version: int) -> None:
