@@ -8,6 +8,8 @@ through vLLM's LoRA layers.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import ray
 
@@ -65,6 +67,26 @@ def test_adapter_only_syncs_move_the_adapters_bytes_serve_what_vllm_loads_from_a
     with pytest.raises(refit.ConfigError, match="max_lora_rank 8"):
         refit.Syncer(wide, [replica]).sync_adapter()
     assert ray.get(replica.status.remote()).adapter == served.adapter
+
+    # Two adapter syncs at once on one replica, from two Syncers: whichever stages second while the first's adapter is
+    # staged is refused; whatever ran, the replica serves the newest version that succeeded, and holds at most two.
+    results: dict[int, object] = {}
+
+    def adapter_sync(index: int) -> None:
+        try:
+            results[index] = refit.Syncer(trainer, [replica]).sync_adapter().version
+        except refit.RefitError as error:
+            results[index] = error
+
+    run_in(trainer, poison_adapter, 0.01)  # finite again: a valid adapter
+    threads = [threading.Thread(target=adapter_sync, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    won = [r for r in results.values() if isinstance(r, int)]
+    assert len(results) == 2 and won and all(isinstance(r, refit.LifecycleError) for r in results.values() if r not in won)
+    assert ray.get(replica.status.remote()).adapter.version == max(won) and len(run_in(replica, loaded_lora_ids)) <= 2
 
 
 def test_an_adapter_swap_under_concurrent_requests_loses_none_and_each_ends_on_the_adapter_it_began_with(actors_factory):
