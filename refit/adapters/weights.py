@@ -56,7 +56,8 @@ class AdapterMeta:
     config: Mapping[str, Any]  # PEFT's LoraConfig as adapter_config.json holds it (r, lora_alpha, target_modules, ...)
     shapes: Mapping[str, tuple[int, ...]]
     dtype: str
-    digest: str  # SHA-256 of the tensors' names, shapes and bytes: every replica must hold these exact bytes
+    digest: str | None  # SHA-256 of the tensors' names, shapes and bytes: every replica must hold these exact bytes
+    # (None: not computed, for a check that needs only the shapes)
 
     @property
     def nbytes(self) -> int:
@@ -71,27 +72,28 @@ class AdapterWeights:
     config: Mapping[str, Any]
     tensors: Mapping[str, torch.Tensor]
 
-    def meta(self) -> AdapterMeta:
+    def meta(self, *, digest: bool = True) -> AdapterMeta:
+        """Its description without the bytes; `digest=False` leaves the digest out (a replica checks the shapes,
+        and its workers hash what they install)."""
         dtypes = {str(t.dtype).removeprefix("torch.") for t in self.tensors.values()}
         if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
             raise InvalidTensorError(f"adapter {self.name!r}: its tensors must share one of {sorted(_DTYPES)}, not {sorted(dtypes)}")
         return AdapterMeta(self.name, dict(self.config), {n: tuple(t.shape) for n, t in self.tensors.items()},
-                           dtypes.pop(), self.digest())
+                           dtypes.pop(), self.digest() if digest else None)
 
     def digest(self) -> str:
         sha = hashlib.sha256()
         for name in sorted(self.tensors):
-            tensor = self.tensors[name].detach().contiguous().cpu()
+            tensor = self.tensors[name]
             sha.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-            sha.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            sha.update(_tensor_bytes(tensor))
         return sha.hexdigest()
 
     def to_plain(self) -> dict[str, Any]:
         """Plain data for vLLM's RPC (msgpack): each tensor's bytes, dtype and shape."""
         return {
             "name": self.name, "config": dict(self.config),
-            "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape),
-                         t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()]
+            "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape), _tensor_bytes(t)]
                         for name, t in sorted(self.tensors.items())],
         }
 
@@ -105,6 +107,11 @@ class AdapterWeights:
             return cls(str(plain["name"]), dict(plain["config"]), tensors)
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise InvalidTensorError(f"not an adapter's plain form ({type(error).__name__}: {error})") from None
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes, in row-major order (what `from_plain` reads back and the digest hashes)."""
+    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
 
 
 def check_adapter(meta: AdapterMeta, base_weights: tuple[ExpectedWeight, ...] | None, max_rank: int) -> None:

@@ -96,7 +96,6 @@ def install_adapter(worker: Any, lora_id: int, plain: dict[str, Any]) -> str:
         model_vocab_size=manager.vocab_size, weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
-    adapter_manager.remove_adapter(lora_id)  # a half-installed earlier try of this id
     adapter_manager.add_adapter(lora)
     adapter_manager.pin_adapter(lora_id)
     return adapter.digest()

@@ -348,7 +348,7 @@ class ReplicaCore:
                 "this replica's engine serves no LoRA adapters: start it with EngineConfig(lora_rank=...) (a `vllm serve` "
                 "replica cannot take adapters from memory, docs/lora.md)"
             )
-        check_adapter(adapter.meta(), self.facts.model_info.weights, self.engine.lora_rank)
+        check_adapter(adapter.meta(digest=False), self.facts.model_info.weights, self.engine.lora_rank)
         with self._lock:
             if self.lifecycle.open_update() is not None:
                 raise LifecycleError(f"stage_adapter during sync {self.lifecycle.open_update()}'s update; run it after")

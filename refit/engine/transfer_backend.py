@@ -124,7 +124,6 @@ class DraftModel:
             if version is not None:
                 self.provenance.record_streamed(self.loaded, streamed, version)
 
-
     @contextmanager
     def _shared_detached(self) -> Iterator[None]:
         """The draft without the modules it shares with the target, for the duration (their places kept)."""

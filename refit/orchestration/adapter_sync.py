@@ -56,6 +56,9 @@ def sync_adapter(sources: Sequence[tuple[str, Any]], roll: Roll, rollout: Rollou
         )
     sync_id = uuid.uuid4().hex[:12]
     (meta,) = raise_first_error(call_all(sources, "adapter_meta", timeout_s=timeout))
+    if meta.digest is None:
+        raise ConfigError(f"adapter_meta() of adapter {meta.name!r} carries no digest: the replicas' bytes are checked "
+                          "against it (AdapterWeights.meta() computes it)")
     check_adapter(meta, rollout.weights, max_rank=sys.maxsize)  # each replica checks its engine's rank itself
     roll.stage = "begin"
     statuses = roll.settle(call_all(roll.members, "status", timeout_s=timeout), sync_id)
