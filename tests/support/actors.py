@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -60,6 +61,10 @@ def hold_update_lock(rollout, seconds: float) -> None:
 
 def node_id(_actor) -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def process_id(_actor) -> int:
+    return os.getpid()
 
 
 def collector_state(_actor) -> tuple[bool, bool]:
