@@ -94,15 +94,19 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
     # The source column: a tied alias's tensor, or the fused in-memory parameter a checkpoint tensor is a piece of.
     piece_of = {m.name: m.piece_of for m in metas if m.piece_of}
     print(f"{'bucket':>6}  {'target':<48} {'source':<44} {'shape':<14} {'form':<10} {'bytes':>10}")
+    copies_of: dict[str, list[str]] = {}
+    for target, of in plan.copies:
+        copies_of.setdefault(of, []).append(target)
     for index, bucket in enumerate(plan.buckets):
         for t in bucket:
             form = "fp8_block" if t.is_quantized else t.dtype
             source = t.source if t.source != t.target else piece_of.get(t.target, "")
-            print(
-                f"{index:>6}  {t.target:<48} {source:<44} {str(list(t.shape)):<14} {form:<10} "
-                f"{t.wire_bytes(config.quantize_on):>10}"
-            )
-    print(f"\n{len(plan.tensors)} tensors in {len(plan.buckets)} buckets, {plan.wire_bytes / 2**20:.2f} MiB per sync")
+            rows = [(t.target, source, t.wire_bytes(config.quantize_on))]
+            rows += [(copy, t.target, 0) for copy in copies_of.get(t.target, [])]  # loaded from t's bytes, never sent
+            for target, source, nbytes in rows:
+                print(f"{index:>6}  {target:<48} {source:<44} {str(list(t.shape)):<14} {form:<10} {nbytes:>10}")
+    copies = f" (and {len(plan.copies)} loaded from their bytes)" if plan.copies else ""
+    print(f"\n{len(plan.tensors)} tensors{copies} in {len(plan.buckets)} buckets, {plan.wire_bytes / 2**20:.2f} MiB per sync")
     return 0
 
 

@@ -16,7 +16,7 @@ from refit.errors import InvalidTensorError, PlanMismatchError, VerificationErro
 from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import PlannedTensor, TransferPlan
 from refit.provenance import refuse_invalid_scales
-from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block
+from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block, scale_name
 from refit.transport.buckets import BucketWriter, WireBucket, WireTensor
 from refit.transport.delta import ReplicaBase
 from refit.transport.integrity import tag_matches
@@ -93,11 +93,22 @@ def loadable_tensors(
         raise PlanMismatchError(f"bucket {bucket}: deltas arrived ({', '.join(deltas[:4])}), but this replica keeps no base for this sync")
     tensors = _assemble(rows)
     _check_shapes_and_scales(bucket, tensors, expected)
-    if plan.quantize_on is QuantizeOn.TRAINER:
-        return tensors
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, value in tensors:
-        out += loadable_form(name, value, planned[name].block)
+    if plan.quantize_on is not QuantizeOn.TRAINER:
+        tensors = [pair for name, value in tensors for pair in loadable_form(name, value, planned[name].block)]
+    return tensors + _copies(plan, planned, tensors)
+
+
+def _copies(
+    plan: TransferPlan, planned: dict[str, PlannedTensor], tensors: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """The plan's copies of this bucket's targets: the same tensors (a weight with its scale) under the copy's
+    names, so the engine's loaders copy one arrived tensor into both parameters."""
+    by_name = dict(tensors)
+    out = []
+    for target, of in plan.copies:
+        if of in planned:
+            pairs = ((of, target), (scale_name(of), scale_name(target)))
+            out += [(new, by_name[old]) for old, new in pairs if old in by_name]
     return out
 
 

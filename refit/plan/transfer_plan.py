@@ -2,7 +2,7 @@
 
 Made once per (trainer, rollout model) pair from metadata alone, then reused
 by every sync: names, shapes, which tensors are FP8_BLOCK-quantized, the
-tied-embedding alias, and the bucket layout. The producer checks each tensor
+tied aliases, and the bucket layout. The producer checks each tensor
 against it, so a trainer whose model changed shape is refused before any
 byte is sent.
 
@@ -128,6 +128,12 @@ class TransferPlan:
     """One sync's secret for the integrity tags of its bytes (refit/transport/integrity.py), or None for a
     plan not yet handed to a sync, or a sync with `verify="off"`. Set by the Syncer per sync (`for_sync`),
     so it reaches the trainer and the replicas with the plan, over Ray, never over the data plane."""
+    copies: tuple[tuple[str, str], ...] = ()
+    """`(target, of)`: targets the replica loads from the bytes of target `of` when they arrive, never sent.
+
+    A tied alias (a tied `lm_head`) must be loaded under its own name, since a layerwise reload breaks the
+    tie, but its bytes are its source's: sending them twice cost a tied model's every sync (and delta) a
+    second copy of its embedding, the largest bf16 tensor on the wire."""
 
     def for_sync(self, integrity_key: bytes | None) -> TransferPlan:
         """This plan for one sync: the same buckets, that sync's integrity key."""
@@ -140,6 +146,7 @@ class TransferPlan:
             "buckets": [[[t.target, t.source, list(t.shape), t.dtype, None if t.block is None else list(t.block)]
                          for t in bucket] for bucket in self.buckets],
             "integrity_key": None if self.integrity_key is None else self.integrity_key.hex(),
+            "copies": [list(pair) for pair in self.copies],
         }
 
     @classmethod
@@ -153,13 +160,20 @@ class TransferPlan:
                 for bucket in plain["buckets"]
             )
             key = plain["integrity_key"]
-            return cls(buckets, QuantizeOn(plain["quantize_on"]), None if key is None else bytes.fromhex(key))
+            copies = tuple((str(target), str(of)) for target, of in plain["copies"])
+            return cls(buckets, QuantizeOn(plain["quantize_on"]), None if key is None else bytes.fromhex(key), copies)
         except (KeyError, TypeError, ValueError) as error:
             raise PlanMismatchError(f"not a transfer plan ({type(error).__name__}: {error}); the sender is not refit's") from None
 
     @property
     def tensors(self) -> list[PlannedTensor]:
+        """What travels (copies do not)."""
         return [t for bucket in self.buckets for t in bucket]
+
+    @property
+    def targets(self) -> list[str]:
+        """Every name the replica loads: what travels, then the copies."""
+        return [t.target for t in self.tensors] + [target for target, _ in self.copies]
 
     @property
     def wire_bytes(self) -> int:
@@ -202,20 +216,22 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
     def is_draft(name: str) -> bool:
         return name.startswith(DRAFT_PREFIX) or bool(mtp) and name.startswith(mtp)
 
-    ordered = _planned([m for m in sources if not is_draft(m.name)], rollout_model, config)
+    ordered, copies = _planned([m for m in sources if not is_draft(m.name)], rollout_model, config)
     drafts = [m for m in sources if is_draft(m.name)]
     if drafts and draft_info is not None and config.draft is Draft.SYNC:
         sent_as = {m.name.removeprefix(DRAFT_PREFIX): m.name for m in drafts}  # a draft's name -> the trainer's
-        planned = _planned([m.renamed(lambda name: name.removeprefix(DRAFT_PREFIX)) for m in drafts], draft_info,
-                           config, model="the draft")
+        planned, draft_copies = _planned([m.renamed(lambda name: name.removeprefix(DRAFT_PREFIX)) for m in drafts],
+                                         draft_info, config, model="the draft")
         ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=sent_as.get(t.source, DRAFT_PREFIX + t.source))
                     for t in planned]
-    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on)
+        copies += [(DRAFT_PREFIX + target, DRAFT_PREFIX + of) for target, of in draft_copies]
+    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on, copies=tuple(copies))
 
 
 def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig,
-             model: str = "the rollout") -> list[PlannedTensor]:
-    """One model's planned tensors, in layer order; `model` names it in what is refused."""
+             model: str = "the rollout") -> tuple[list[PlannedTensor], list[tuple[str, str]]]:
+    """One model's planned tensors in layer order, and its copies (`TransferPlan.copies`); `model` names it in
+    what is refused."""
     by_name = {m.name: m for m in sources}
     targets = [(m.name, m.alias_of or m.name) for m in sources]
     if rollout_model.tie_word_embeddings and _LM_HEAD not in by_name:
@@ -243,7 +259,12 @@ def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, con
         raise InvalidTensorError(f"cannot plan the transfer into {model}:\n  " + "\n  ".join(problems))
     if config.check_against_rollout and rollout_model.weights is not None:
         _check_against_rollout(list(planned.values()), rollout_model, model)
-    return [planned[name] for name in _layer_order(list(planned))]
+    ordered = [planned[name] for name in _layer_order(list(planned))]
+    # Targets read from one source carry the same bytes: the first in layer order travels, the rest are copies.
+    sent: dict[str, PlannedTensor] = {}
+    copies = [(t.target, sent[t.source].target) for t in ordered if sent.setdefault(t.source, t) is not t]
+    copied = {target for target, _ in copies}
+    return [t for t in ordered if t.target not in copied], copies
 
 
 def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutModelInfo, model: str) -> None:

@@ -18,13 +18,10 @@ __all__ = ["expected_tensors", "missing_tensors", "refuse_partial"]
 
 
 def expected_tensors(plan: TransferPlan) -> set[str]:
-    """The checkpoint-form names a replica receives for `plan`: every target, and the scale of each FP8 one."""
-    names = set()
-    for tensor in plan.tensors:
-        names.add(tensor.target)
-        if tensor.block is not None:
-            names.add(scale_name(tensor.target))
-    return names
+    """The checkpoint-form names a replica receives for `plan`: every target (copies too), and the scale of each FP8 one."""
+    quantized = {t.target for t in plan.tensors if t.block is not None}
+    return (set(plan.targets) | {scale_name(target) for target in quantized}
+            | {scale_name(target) for target, of in plan.copies if of in quantized})
 
 
 def missing_tensors(plan: TransferPlan, received: Iterable[str]) -> list[str]:

@@ -45,11 +45,12 @@ def test_plan_quantizes_exactly_the_linears_and_orders_buckets_by_layer():
     names = [t.target for t in plan.tensors]
     assert names[0] == "model.embed_tokens.weight"
     assert names.index("model.layers.0.mlp.down_proj.weight") < names.index("model.layers.1.self_attn.q_proj.weight")
-    assert set(names[-2:]) == {"model.norm.weight", "lm_head.weight"}
+    assert names[-1] == "model.norm.weight"
     quantized = {t.target for t in plan.tensors if t.is_quantized}
     assert len(quantized) == 14 and all(n.endswith("_proj.weight") for n in quantized)
-    head = next(t for t in plan.tensors if t.target == "lm_head.weight")
-    assert head.source == "model.embed_tokens.weight" and not head.is_quantized  # tied alias, ignored by config
+    # The tied alias is loaded from the embedding's bytes, never sent again (and not quantized: ignored by config).
+    assert plan.copies == (("lm_head.weight", "model.embed_tokens.weight"),) and "lm_head.weight" not in names
+    assert plan.targets[-1] == "lm_head.weight"
     for bucket in plan.buckets:  # bounded, except a tensor bigger than a bucket travels alone
         assert len(bucket) == 1 or sum(t.quantized_bytes for t in bucket) <= 200_000
     assert plan.wire_bytes < 0.6 * sum(t.source_bytes for t in plan.tensors)
@@ -58,7 +59,7 @@ def test_plan_quantizes_exactly_the_linears_and_orders_buckets_by_layer():
 def test_tied_engine_and_a_state_dict_without_lm_head_gets_the_alias():
     metas = [m for m in describe_weights(trainer_model(tied=True)) if m.name != "lm_head.weight"]
     plan = make_plan(metas, rollout_model(True, True), config(1 << 20))
-    assert {t.target: t.source for t in plan.tensors}["lm_head.weight"] == "model.embed_tokens.weight"
+    assert dict(plan.copies)["lm_head.weight"] == "model.embed_tokens.weight"
 
 
 def test_a_quantized_target_that_is_not_2d_is_refused_at_plan_time():
@@ -119,7 +120,7 @@ def checked(tied: bool, *, from_files: bool) -> RolloutModelInfo:
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_a_matching_trainer_passes_the_rollout_check(tied, from_files):
     plan = make_plan(describe_weights(trainer_model(tied)), checked(tied, from_files=from_files), config(1 << 20))
-    assert {t.target for t in plan.tensors} == {n for n, _ in trainer_model(tied).named_parameters(remove_duplicate=False)}
+    assert set(plan.targets) == {n for n, _ in trainer_model(tied).named_parameters(remove_duplicate=False)}
 
 
 def test_every_mismatch_with_the_rollouts_weights_is_reported_together_before_any_byte():
