@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["all_finite", "apply_delta", "bf16_to_fp8_codes", "encode_delta", "handles", "quantize"]
+__all__ = ["all_finite", "apply_delta", "apply_steps", "bf16_to_fp8_codes", "encode_delta", "encode_steps", "handles", "quantize"]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -96,6 +96,33 @@ def apply_delta(stored: torch.Tensor, width: int, counts: torch.Tensor, values: 
                                      values.data_ptr(), low.data_ptr(), low.numel()) == 0
 
 
+def encode_steps(
+    new: torch.Tensor, old: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | bool:
+    """A steps delta's (bitmap uint8, steps int8, escaped elements' bytes uint8) from two contiguous CPU byte tensors
+    of `width`-byte elements (refit.transport.delta); False where this kernel does not apply."""
+    library = _library()
+    if library is None or new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
+        return False
+    numel = new.numel() // width
+    bitmap, steps = torch.zeros(-(-numel // 8), dtype=torch.uint8), torch.empty(numel, dtype=torch.int8)
+    escaped, n_escaped = torch.empty(new.numel(), dtype=torch.uint8), ctypes.c_long(0)
+    n = library.refit_steps_encode(new.data_ptr(), old.data_ptr(), numel, width, numel, bitmap.data_ptr(),
+                                   steps.data_ptr(), escaped.data_ptr(), ctypes.byref(n_escaped))
+    return bitmap, steps[:n], escaped[: n_escaped.value * width]
+
+
+def apply_steps(stored: torch.Tensor, width: int, bitmap: torch.Tensor, steps: torch.Tensor, escaped: torch.Tensor) -> bool | None:
+    """Apply a steps delta to `stored` (contiguous CPU bytes) in place: True, False (nothing written) if its bitmap
+    or escapes do not fit its steps, None where this kernel does not apply."""
+    library = _library()
+    if library is None or stored.device.type != "cpu" or not stored.is_contiguous():
+        return None
+    bitmap, steps, escaped = bitmap.contiguous(), steps.contiguous(), escaped.contiguous()
+    return library.refit_steps_apply(stored.data_ptr(), stored.numel() // width, width, bitmap.data_ptr(), steps.data_ptr(),
+                                     steps.numel(), escaped.data_ptr(), escaped.numel() // width) == 0
+
+
 def all_finite(tensor: torch.Tensor) -> bool | None:
     """Whether a CPU bf16 tensor holds no NaN/Inf, or None where this kernel does not apply."""
     if not (handles(tensor) and tensor.is_contiguous()):
@@ -144,4 +171,10 @@ def _library() -> ctypes.CDLL | None:
     library.refit_delta_apply.restype = ctypes.c_int
     library.refit_delta_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    library.refit_steps_encode.restype = ctypes.c_long
+    library.refit_steps_encode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
+    library.refit_steps_apply.restype = ctypes.c_int
+    library.refit_steps_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
     return library

@@ -46,6 +46,7 @@ class WireTensor:
     row_offset: int = 0
     tag: str | None = None  # keyed integrity tag of the bytes (refit.transport.integrity), made by the sender while packing
     changed: int | None = None  # a delta of this many elements (refit.transport.delta), whose tag is the rebuilt tensor's
+    encoding: str | None = None  # a delta's form: "sparse", "bitmap" or "steps" (refit.transport.delta)
 
     @property
     def identity(self) -> str:
@@ -74,7 +75,7 @@ class BucketContents:
     @classmethod
     def from_plain(cls, plain: tuple | list) -> BucketContents:
         index, tensors, nbytes, ipc_handle = plain
-        return cls(index, tuple(WireTensor(n, d, tuple(s), o, b, r, c, x) for n, d, s, o, b, r, c, x in tensors), nbytes, ipc_handle)
+        return cls(index, tuple(WireTensor(n, d, tuple(s), *rest) for n, d, s, *rest in tensors), nbytes, ipc_handle)
 
     def with_bytes(self, buffer: np.ndarray | torch.Tensor) -> WireBucket:
         """The whole bucket, once its bytes have arrived in `buffer` (a host array or a uint8 tensor on any device)."""

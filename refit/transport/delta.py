@@ -25,18 +25,21 @@ bucket instead of serving a mix. A delta needs those tags: a sync with
 `verify="off"` (no key, no tags) sends everything.
 
 Encoding of one entry (`WireTensor.changed` = n, the number of changed
-elements), the smaller of two, each part padded to 8 bytes so every view is
-aligned:
+elements; `WireTensor.encoding` names the form), the smallest that applies,
+each part padded to 8 bytes so every view is aligned:
 - *sparse*: one int32 count of changed elements per chunk of 65536, then the
   new elements (the entry's dtype), then the low 16 bits of each position
   (int16). 2 + itemsize bytes per changed element: 3 for FP8 codes.
-- *bitmap*: one bit per element (set: changed), then the new elements.
-  itemsize bytes per changed element plus 1/8 byte per element: smaller
-  once more than 1 in 16 elements change, as in bf16 tensors (embeddings,
-  norms) at RL learning rates, where 15-25% of them do.
-The payload's size says which it is: the sender picks the bitmap only where
-it is strictly smaller, so equal sizes mean sparse. An entry whose delta
-would not be smaller travels whole.
+- *steps* (elements of 2 bytes or more): one bit per element (set: changed),
+  then each changed element's step as int8: the new element minus the old,
+  as integers of the element's width. A small update moves a bf16 value by
+  one or two units of its last place, and bf16 tensors (embeddings, norms)
+  change in 5-25% of their elements per step at RL learning rates, so this
+  is 1 byte per changed element plus 1/8 per element. Exact whatever the
+  bits are (integer arithmetic modulo the width); only where every step
+  fits in -128..127.
+- *bitmap*: the same bitmap, then the new elements: where steps do not fit.
+An entry whose delta would not be smaller travels whole.
 """
 
 from __future__ import annotations
@@ -130,7 +133,11 @@ class SenderBase:
             payload = None
             if base is not None and (base[0].dtype, base[0].shape) == (entry.dtype, entry.shape):
                 payload = _encode(new, base[1], entry.dtype)
-            items.append((entry, new) if payload is None else (dataclasses.replace(entry, changed=payload[0]), payload[1]))
+            if payload is None:
+                items.append((entry, new))
+            else:
+                changed, encoding, data = payload
+                items.append((dataclasses.replace(entry, changed=changed, encoding=encoding), data))
         return assemble_bucket(index, items)
 
 
@@ -181,7 +188,7 @@ class ReplicaBase:
                         "or the delta was altered in transit. Nothing of this bucket was loaded; the base is dropped, "
                         "so the next sync is a full one"
                     )
-            whole = dataclasses.replace(entry, changed=None, nbytes=stored.numel())
+            whole = dataclasses.replace(entry, changed=None, encoding=None, nbytes=stored.numel())
             self._entries[slot] = (whole, stored)
             out.append((whole, stored.view(element_view(entry.dtype)).view(entry.shape)))
         return out
@@ -247,37 +254,88 @@ def _delta_parts(
     return counts, as_bytes(_elements(new, width)[positions]), low
 
 
-def _bitmap_size(numel: int, changed: int, width: int) -> int:
-    return _round8(-(-numel // 8)) + _round8(width * changed)
+def _bitmap_size(numel: int, changed: int, itemsize: int) -> int:
+    """A bitmap of `numel` elements then `changed` values of `itemsize` bytes (steps: 1)."""
+    return _round8(-(-numel // 8)) + _round8(itemsize * changed)
 
 
-def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, torch.Tensor] | None:
-    """(changed elements, payload bytes) in the smaller encoding, or None when the whole entry is no larger."""
+def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, str, torch.Tensor] | None:
+    """(changed elements, encoding, payload bytes) in the smallest encoding, or None when the whole entry is no
+    larger."""
     width = element_view(dtype).itemsize
     numel = new.numel() // width
     chunks = _chunks(numel)
     cap = (new.numel() - 8 - _layout(numel, 0, width)[2]) // (2 + width)  # at most this many for a smaller payload
+    if width >= 2:  # past (1/8 + 1) bytes per element's worth of changes, steps are smaller
+        cap = min(cap, numel // (8 * (width + 1)) + 8)
     parts = _delta_parts(new, old, width, cap, chunks) if cap >= 0 else None
+    smallest = new.numel()  # the whole entry
+    if parts is not None:
+        smallest = min(smallest, _layout(numel, parts[2].numel(), width)[2])
     if parts is None or 16 * parts[2].numel() > numel:  # past 1 in 16 changed, a bitmap may be smaller
-        bitmap = _encode_bitmap(new, old, width, numel)
-        sparse_size = new.numel() if parts is None else _layout(numel, parts[2].numel(), width)[2]
-        if bitmap is not None and bitmap[1].numel() < min(sparse_size, new.numel()):
-            return bitmap
-    if parts is None:
+        steps = _encode_steps(new, old, width, numel)
+        if steps is None or steps[2].numel() > _bitmap_size(numel, steps[0], width):  # escapes past the values' size
+            steps = _encode_bitmap(new, old, width, numel)
+        if steps is not None and steps[2].numel() < smallest:
+            return steps
+    if parts is None or smallest == new.numel():
         return None
     counts, values, low = parts
     values_at, low_at, size = _layout(numel, low.numel(), width)
-    if size >= new.numel():
-        return None
     payload = torch.zeros(size, dtype=torch.uint8)
     payload[: 4 * chunks] = as_bytes(counts)
     payload[values_at : values_at + values.numel()] = values
     payload[low_at:] = as_bytes(low)
-    return low.numel(), payload
+    return low.numel(), "sparse", payload
 
 
-def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, torch.Tensor] | None:
-    """(changed elements, bitmap payload); None if nothing changed (the sparse form is smaller then)."""
+_ESCAPE = -128  # a step that does not fit in int8: the new element follows among the escaped ones
+
+
+def _steps(new: torch.Tensor, old: torch.Tensor, width: int) -> torch.Tensor:
+    """new - old per element, as integers of `width` bytes wrapped to their range (int64)."""
+    return _wrapped(_elements(new, width).to(torch.int64) - _elements(old, width).to(torch.int64), width)
+
+
+def _wrapped(values: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 `values` modulo 2^(8 * width), as signed integers of that width (int64 wraps by itself)."""
+    if width == 8:
+        return values
+    values = values & ((1 << (8 * width)) - 1)
+    return torch.where(values >= 1 << (8 * width - 1), values - (1 << (8 * width)), values)
+
+
+def _steps_size(numel: int, changed: int, escaped: int, width: int) -> int:
+    return _round8(-(-numel // 8)) + _round8(changed) + _round8(width * escaped)
+
+
+def _encode_steps(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, str, torch.Tensor] | None:
+    """(changed elements, "steps", payload); None for 1-byte elements or if nothing changed."""
+    if width < 2:
+        return None
+    parts = _fused_cpu.encode_steps(new, old, width)
+    if parts is False:  # torch ops
+        step = _steps(new, old, width)
+        changed = step != 0
+        step = step[changed]
+        fits = (step >= -127) & (step <= 127)
+        escaped = as_bytes(_elements(new, width)[changed][~fits])
+        parts = (torch.from_numpy(np.packbits(changed.numpy(), bitorder="little")),
+                 torch.where(fits, step, _ESCAPE).to(torch.int8), escaped)
+    bitmap, steps, escaped = parts
+    n = steps.numel()
+    if n == 0:
+        return None
+    bits_size = _round8(bitmap.numel())
+    payload = torch.zeros(_steps_size(numel, n, escaped.numel() // width, width), dtype=torch.uint8)
+    payload[: bitmap.numel()] = bitmap
+    payload[bits_size : bits_size + n] = as_bytes(steps)
+    payload[bits_size + _round8(n) : bits_size + _round8(n) + escaped.numel()] = escaped
+    return n, "steps", payload
+
+
+def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, str, torch.Tensor] | None:
+    """(changed elements, "bitmap", payload); None if nothing changed (the sparse form is smaller then)."""
     changed = _elements(new, width) != _elements(old, width)
     n = int(changed.sum())
     if n == 0:
@@ -286,19 +344,32 @@ def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int, numel: int)
     payload = torch.zeros(_bitmap_size(numel, n, width), dtype=torch.uint8)
     payload[: -(-numel // 8)] = torch.from_numpy(np.packbits(changed.numpy(), bitorder="little"))
     payload[bits_size : bits_size + width * n] = as_bytes(_elements(new, width)[changed])
-    return n, payload
+    return n, "bitmap", payload
 
 
 def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> None:
-    """Write a delta's elements into the base entry `stored`, in place (its size says which encoding it is)."""
+    """Write a delta's elements into the base entry `stored`, in place."""
     width = element_view(entry.dtype).itemsize
     n, numel = entry.changed, stored.numel() // width
-    values_at, low_at, size = _layout(numel, n, width)
-    if payload.numel() != size and payload.numel() == _bitmap_size(numel, n, width):
+    expected = {"sparse": _layout(numel, n, width)[2], "bitmap": _bitmap_size(numel, n, width)}
+    if entry.encoding == "steps" and width >= 2 and payload.numel() >= _bitmap_size(numel, n, 1):
+        bits_size = _round8(-(-numel // 8))
+        escaped = int((payload[bits_size : bits_size + n].view(torch.int8) == _ESCAPE).sum())
+        expected["steps"] = _steps_size(numel, n, escaped, width)
+    if entry.encoding not in expected or payload.numel() != expected[entry.encoding]:
+        raise BaseMismatchError(
+            f"{entry.name}: a delta of {payload.numel()} bytes in encoding {entry.encoding!r} cannot hold {n} changed "
+            f"{entry.dtype} elements"
+        )
+    if entry.encoding == "sparse":
+        _apply_sparse(stored, payload, entry, width, numel)
+    else:
         _apply_bitmap(stored, payload, entry, width, numel)
-        return
-    if payload.numel() != size:
-        raise BaseMismatchError(f"{entry.name}: a delta of {payload.numel()} bytes cannot hold {n} changed elements")
+
+
+def _apply_sparse(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor, width: int, numel: int) -> None:
+    n = entry.changed
+    values_at, low_at, _ = _layout(numel, n, width)
     chunks = _chunks(numel)
     counts, low = payload[: 4 * chunks].view(torch.int32), payload[low_at:].view(torch.int16)
     values = payload[values_at : values_at + n * width]
@@ -315,9 +386,26 @@ def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> No
 
 
 def _apply_bitmap(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor, width: int, numel: int) -> None:
+    """A bitmap or steps delta: the bitmap marks the changed elements, then their new values or their steps (and
+    the escaped elements' new values)."""
     n = entry.changed
     bits_size = _round8(-(-numel // 8))
-    changed = torch.from_numpy(np.unpackbits(payload[: -(-numel // 8)].numpy(), count=numel, bitorder="little").view(bool))
+    bitmap, rest = payload[: -(-numel // 8)], payload[bits_size:]
+    if entry.encoding == "steps":
+        steps, escaped = rest[:n].view(torch.int8), rest[_round8(n) :]
+        escaped = escaped[: width * int((steps == _ESCAPE).sum())]
+        applied = _fused_cpu.apply_steps(stored, width, bitmap, steps, escaped)
+        if applied is False:
+            raise BaseMismatchError(f"{entry.name}: a delta's bitmap does not mark exactly its {n} changes")
+        if applied:
+            return
+    changed = torch.from_numpy(np.unpackbits(bitmap.numpy(), count=numel, bitorder="little").view(bool))
     if int(changed.sum()) != n:
         raise BaseMismatchError(f"{entry.name}: a delta's bitmap marks {int(changed.sum())} elements, not its {n} changes")
-    _elements(stored, width)[changed] = payload[bits_size : bits_size + width * n].view(_elements(stored, width).dtype)
+    elements = _elements(stored, width)
+    if entry.encoding == "steps":  # torch ops: the kernel's integer arithmetic
+        values = _wrapped(elements[changed].to(torch.int64) + steps.to(torch.int64), width).to(elements.dtype)
+        values[steps == _ESCAPE] = escaped.view(elements.dtype)
+        elements[changed] = values
+    else:
+        elements[changed] = rest[: width * n].view(elements.dtype)

@@ -25,15 +25,16 @@ def tensors(seed: int = 0):
             torch.randn(70, 64, generator=gen).to(torch.bfloat16))
 
 
-def changed(values: tuple, fraction: float, seed: int = 1) -> tuple:
-    """Each tensor with about `fraction` of its elements' lowest byte flipped (NaN patterns included)."""
+def changed(values: tuple, fraction: float, seed: int = 1, byte: int = 0) -> tuple:
+    """Each tensor with about `fraction` of its elements' byte `byte` flipped in its lowest bit (0, the lowest byte:
+    a step of one unit in the last place; NaN patterns included)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for value in values:
         value = value.clone()
         raw = value.view(-1).view(torch.uint8)
         flip = torch.rand(value.numel(), generator=gen) < fraction
-        raw.view(value.numel(), -1)[flip, 0] ^= 0x01
+        raw.view(value.numel(), -1)[flip, byte] ^= 0x01
         out.append(value)
     return tuple(out)
 
@@ -79,20 +80,41 @@ def test_an_entry_whose_delta_is_not_smaller_travels_whole_and_both_mode_yields_
     assert replica.finish() == version_digest(sender.entries())
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("fraction", [0.08, 0.2, 0.5])
-def test_where_many_elements_change_a_bitmap_of_positions_is_sent_and_rebuilds_the_bytes(fraction):
-    """bf16 tensors at RL learning rates change 15-25% of their elements: one bit per element plus the new values
-    is smaller than 16 bits of position per changed element once more than 1 in 16 change."""
+def test_where_many_bf16_elements_move_a_little_their_steps_are_sent_and_rebuild_the_bytes(monkeypatch, kernel, fraction):
+    """bf16 tensors at RL learning rates change 5-25% of their elements, mostly by one unit in the last place: one
+    bit per element plus an int8 step per changed one. A few elements that move further (here 1%, by 256 units)
+    are escaped, their new values sent whole."""
+    if kernel == "torch":
+        monkeypatch.setattr(_fused_cpu, "encode_steps", lambda *args: False)
+        monkeypatch.setattr(_fused_cpu, "apply_steps", lambda *args: None)
     sender, replica = SenderBase(), ReplicaBase()
     state = tensors()
     sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
-    state = (state[0], state[1], changed(state[2:], fraction)[0])
-    (sent,), (rows,) = sync(sender, replica, [bucket(*state)], DeltaMode.DELTA)
+    embedding = changed(changed(state[2:], fraction)[0:1], 0.01, seed=5, byte=1)[0]
+    (sent,), (rows,) = sync(sender, replica, [bucket(state[0], state[1], embedding)], DeltaMode.DELTA)
     (emb,) = [entry for entry in sent.tensors if entry.name == "emb"]
     numel = 70 * 64
-    assert emb.nbytes == delta._bitmap_size(numel, emb.changed, 2) < delta._layout(numel, emb.changed, 2)[2]
+    assert emb.encoding == "steps" and emb.nbytes < 0.125 * numel + (fraction + 0.05) * numel + 2 * 0.02 * numel
+    assert torch.equal(rows[2][1].view(torch.uint8), embedding.view(torch.uint8))
+    assert replica.digest() == version_digest(sender.entries())
+
+
+@pytest.mark.parametrize("fraction", [0.08, 0.5])
+def test_where_many_elements_jump_a_bitmap_of_positions_and_new_values_is_sent(fraction):
+    """Steps that do not fit int8 (here the exponent's lowest bit, 128 units) would all be escaped: the bitmap
+    with the new values is smaller."""
+    sender, replica = SenderBase(), ReplicaBase()
+    state = tensors()
+    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    embedding = changed(state[2:], fraction, byte=1)[0]
+    (sent,), (rows,) = sync(sender, replica, [bucket(state[0], state[1], embedding)], DeltaMode.DELTA)
+    (emb,) = [entry for entry in sent.tensors if entry.name == "emb"]
+    numel = 70 * 64
+    assert emb.encoding == "bitmap" and emb.nbytes == delta._bitmap_size(numel, emb.changed, 2)
     assert emb.nbytes < 0.125 * numel + 2 * (fraction + 0.05) * numel
-    assert torch.equal(rows[2][1].view(torch.uint8), state[2].view(torch.uint8))
+    assert torch.equal(rows[2][1].view(torch.uint8), embedding.view(torch.uint8))
     assert replica.digest() == version_digest(sender.entries())
 
 
@@ -105,7 +127,7 @@ def test_a_bitmap_that_marks_another_count_than_the_entry_says_is_refused():
     emb, payload = rows[2]
     payload[0] ^= 0x01  # one position more or fewer than `changed`
     replica.begin()
-    with pytest.raises(BaseMismatchError, match="emb: a delta's bitmap marks"):
+    with pytest.raises(BaseMismatchError, match="emb: a delta's bitmap"):
         replica.rebuild(rows, key=KEY)
 
 
