@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit.engine.lifecycle import FinishedUpdate
-from refit.orchestration.calls import Outcome, call_groups, raise_first_error
+from refit.orchestration.calls import Outcome, raise_first_error
 from refit.orchestration.fleet import Roll
 from refit.plan.config import SyncConfig
 from refit.protocols import accepts, has_method
@@ -37,22 +37,28 @@ class DeltaNegotiation:
     sources: list[tuple[str, Any]]  # (name, rank) of every trainer rank that streams
     config: SyncConfig
 
-    def modes(self, roll: Roll) -> tuple[DeltaMode | None, dict[str, str]]:
+    def questions(self, roll: Roll) -> list[tuple[list[tuple[str, Any]], str, tuple]]:
+        """What `modes` needs answered, as `call_groups` groups: the Syncer asks them in the same round as its
+        last begin (a base read a moment early is still checked: a delta against another base fails its tags)."""
+        if not (self.sources_keep_bases() and self.config.keeps_delta_base):
+            return []
+        askable = [(who, r) for who, r in roll.members if has_method(r, "base_digest")]
+        return [(self.sources, "base_entries", ()), (askable, "base_digest", (str(self.config.transport),))]
+
+    def modes(self, roll: Roll, answers: list[list[Outcome]]) -> tuple[DeltaMode | None, dict[str, str]]:
         """What the trainer streams, and which replicas get deltas: those whose base digest is the trainer's.
 
-        A source without `base_entries` (a custom trainer) is streamed as
-        before (None), and every replica gets everything. Over `collective`
-        one broadcast reaches every replica, so a fleet that differs gets
-        whole buckets; over `ray` each replica fetches the kind it needs.
+        `answers`: to `questions`. A source without `base_entries` (a custom
+        trainer) is streamed as before (None), and every replica gets
+        everything. Over `collective` one broadcast reaches every replica, so
+        a fleet that differs gets whole buckets; over `ray` each replica
+        fetches the kind it needs.
         """
         if not self.sources_keep_bases():
             return None, {}
         if not self.config.keeps_delta_base:
             return DeltaMode.OFF, {}
-        askable = [(who, r) for who, r in roll.members if has_method(r, "base_digest")]
-        entries, held = call_groups([(self.sources, "base_entries", ()),
-                                     (askable, "base_digest", (str(self.config.transport),))],
-                                    timeout_s=self.config.timeout_s)
+        entries, held = answers
         digest = self.sender_digest(entries)
         held = {o.who: o.value for o in held if o.ok}
         modes = {who: "delta" if digest is not None and held.get(who) == digest else "full" for who, _ in roll.members}

@@ -32,6 +32,7 @@ class Attempt(NamedTuple):
     load_seconds: dict[str, float]
     finished: dict[str, FinishedUpdate]
     modes: dict[str, str]
+    answers: list[list[Outcome]]  # to the questions asked beside finish: the trainer's `base_entries`, then `report_questions`
 
 
 def check_finished(finished: dict[str, Any]) -> None:

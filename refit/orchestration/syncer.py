@@ -64,7 +64,7 @@ from typing import Any
 from refit.engine.lifecycle import FinishedUpdate
 from refit.errors import BaseMismatchError, ConfigError, LifecycleError, PlanMismatchError
 from refit.orchestration.adapter_sync import sync_adapter
-from refit.orchestration.calls import call_all, call_groups, first_claim, raise_first_error
+from refit.orchestration.calls import Outcome, call_all, call_groups, first_claim, raise_first_error
 from refit.orchestration.collective_group import CollectiveGroupLifecycle
 from refit.orchestration.delta_negotiation import DeltaNegotiation
 from refit.orchestration.failures import failed
@@ -255,9 +255,7 @@ class Syncer:
         else:
             log.info("sync %s v%d: every replica serves it (%.3f s)", done.sync_id, done.version, time.perf_counter() - start)
         check_finished(done.finished)
-        # What the report and the delta bookkeeping ask the members, in one round.
-        entries, *answers = call_groups([(self._delta.entry_sources(), "base_entries", ()),
-                                         *report_questions(roll, self._sources, self._nodes)], timeout_s=self.config.timeout_s)
+        entries, *answers = done.answers
         digest = self._delta.settled(done.sync_id, done.version, done.finished, entries)
         report = sync_report(plan, done, roll, stages, answers, self._nodes, start=start, startup_seconds=startup_seconds,
                              plan_seconds=plan_seconds, digest=digest)
@@ -299,8 +297,9 @@ class Syncer:
 
     def _attempt(
         self, plan: TransferPlan, sync_id: str, roll: Roll, stages: dict[str, float]
-    ) -> tuple[int, dict[str, float], dict[str, FinishedUpdate], dict[str, str]]:
-        """Begin, stream and finish on the roll's members; returns the version, each one's load seconds, finish and mode.
+    ) -> tuple[int, dict[str, float], dict[str, FinishedUpdate], dict[str, str], list[list[Outcome]]]:
+        """Begin, stream and finish on the roll's members; returns the version, each one's load seconds, finish and mode,
+        and the answers to what the report asks (`Attempt.answers`).
 
         Members lost on the way are dropped from `roll`, except mid-broadcast
         over `collective` (`GroupBroken`: every member must begin again).
@@ -313,15 +312,17 @@ class Syncer:
         roll.stage = "begin"
         first = first_claim(roll.members)  # one winner when two syncs start at once (`first_claim`)
         others = [m for m in roll.members if m is not first]  # the Syncer's order: errors come in the same order every run
-        begin = ("begin_update", plan, sync_id, self.config)
-        proposals = roll.settle(call_all([first], *begin, timeout_s=timeout), sync_id)
-        if others:
-            proposals |= roll.settle(call_all(others, *begin, timeout_s=timeout), sync_id)
+        begin = ("begin_update", (plan, sync_id, self.config))
+        proposals = roll.settle(call_all([first], begin[0], *begin[1], timeout_s=timeout), sync_id)
+        # The other members' begin and the delta negotiation's questions, in one round.
+        questions = self._delta.questions(roll)
+        began, *answers = call_groups([(others, *begin), *questions], timeout_s=timeout)
+        proposals |= roll.settle(began, sync_id)
         version = max(proposals.values())
         # After begin: a rival sync refused by the replicas never gets to take the trainer into its group.
         roll.stage = "connect"
         transport = self._group.connect(sync_id, roll.members)
-        stream_mode, modes = self._delta.modes(roll)
+        stream_mode, modes = self._delta.modes(roll, answers)
         stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
         log.debug("sync %s v%d: began on %d replica(s) (%s)", sync_id, version, len(roll.members), stream_mode)
         roll.stage = "stream"
@@ -331,9 +332,14 @@ class Syncer:
                   plan.wire_bytes / 2**20)
         probe = () if self.config.verify is not Verify.PROBE else (self._probe_request(),)
         roll.stage = "finish"
-        finished = roll.settle(call_all(roll.members, "finish_update", sync_id, version, *probe, timeout_s=timeout), sync_id)
+        # What the report and the delta bookkeeping ask, in finish's round: the trainer's stream is over, so its
+        # base and stats are final, and a replica's node never changes.
+        finishing, *answers = call_groups([(roll.members, "finish_update", (sync_id, version, *probe)),
+                                           (self._delta.entry_sources(), "base_entries", ()),
+                                           *report_questions(roll, self._sources, self._nodes)], timeout_s=timeout)
+        finished = roll.settle(finishing, sync_id)
         stages["finish"] = time.perf_counter() - stage
-        return version, load_seconds, finished, modes
+        return version, load_seconds, finished, modes, answers
 
     def close(self) -> None:
         """Release what the Syncer holds between syncs: its collective group, if any."""
