@@ -94,8 +94,9 @@ def main() -> None:
     parser.add_argument("--steps-per-batch", type=int, default=4)
     parser.add_argument("--address", help="a running Ray cluster with nodes node0-node2 (default: start a local one)")
     parser.add_argument("--plot", default="refit-demo.png", help="where to write the per-round plot (PNG)")
-    parser.add_argument("--transport", default="ray", choices=["ray", "collective"],
-                        help="how the weights travel: Ray's object store, or a broadcast group into vLLM's workers")
+    parser.add_argument("--transport", default="auto", choices=["auto", "ray", "collective"],
+                        help="how the weights travel: picked for the fleet (auto), Ray's object store, or a broadcast "
+                             "group into vLLM's workers")
     args = parser.parse_args()
 
     # refit's own lines (one per sync, and any failure) on the driver and from the actors;

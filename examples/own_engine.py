@@ -33,7 +33,7 @@ class MyRollout(refit.ReplicaMethods):
     """
 
     def __init__(self, model_dir: str) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # core in this process: the default "ray" transport
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # core in this process: it can take "ray"
         from vllm import LLM
 
         self.llm = LLM(model=model_dir, load_format="dummy", kv_cache_dtype="fp8_e4m3", max_model_len=128,

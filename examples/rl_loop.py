@@ -116,12 +116,13 @@ def group_advantages(rewards: Sequence[Sequence[float]]) -> list[list[float]]:
 
 
 def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_steps: int,
-        rl_lr: float = 3e-3, steps_per_batch: int = 4, bucket_bytes: int = 512 << 10, transport: str = "ray",
+        rl_lr: float = 3e-3, steps_per_batch: int = 4, bucket_bytes: int = 512 << 10, transport: str = "auto",
         watch: Mapping[str, tuple[object, refit.SyncConfig]] | None = None, log=print) -> list[Round]:
     """`watch`: name -> (replica, SyncConfig): replicas synced each round after the rollouts, evaluated only."""
     # Every sync is verified (integrity tags, completeness, scales read back) and probed: each rollout's logprobs
     # on fixed prompts against the trainer's, before it serves; a breach is flagged in the report.
-    # `transport`: "ray" (the object store) or "collective" (a broadcast group straight into vLLM's workers).
+    # `transport`: "auto" (picked for the fleet), "ray" (the object store) or "collective" (a broadcast group straight
+    # into vLLM's workers).
     config = refit.SyncConfig(bucket_bytes=bucket_bytes, verify="probe", on_probe_breach="flag", transport=transport)
     syncer = refit.Syncer(trainer, rollouts, config)
     watched = {name: (replica, refit.Syncer(trainer, replica, cfg)) for name, (replica, cfg) in (watch or {}).items()}
@@ -255,7 +256,7 @@ def loop_arguments(description: str, *, rounds: int, prompts: int, warmup_steps:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = loop_arguments(__doc__, rounds=8, prompts=64, warmup_steps=30)
-    parser.add_argument("--transport", default="ray", choices=["ray", "collective"], help="how the weights travel")
+    parser.add_argument("--transport", default="auto", choices=["auto", "ray", "collective"], help="how the weights travel")
     args = parser.parse_args(argv)
     ray.init(address=args.address)
     try:

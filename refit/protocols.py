@@ -286,6 +286,13 @@ class FullRolloutReplica(RolloutReplica, Protocol):
         ...
 
     @optional("observe")
+    def transports(self) -> dict:
+        """What `SyncConfig(transport="auto")` picks by: `{"accepts": [transport names], "device": "cpu" | "cuda" | ...}`,
+        the transports this replica's engine can take and where its workers run. Without this method a replica is taken
+        to accept `ray`, and `collective` if it has the group methods."""
+        ...
+
+    @optional("observe")
     def transport_ranks(self) -> int:
         """How many ranks this replica takes in a collective group: one per vLLM worker."""
         ...

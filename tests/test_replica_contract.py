@@ -80,7 +80,7 @@ def test_the_declaration_marks_every_method_and_the_typed_protocols_hold_the_req
         assert {n for n in vars(protocol) if n in marks} == {n for n, s in marks.items() if not s.optional}
         assert {n for n in vars(full) if n in marks} == {n for n, s in marks.items() if s.optional}
     assert {name for name, spec in REPLICA_METHODS.items() if spec.optional} == {
-        "base_digest", "join_transport", "leave_transport", "transport_group", "transport_ranks", "last_update",
+        "base_digest", "join_transport", "leave_transport", "transport_group", "transport_ranks", "transports", "last_update",
         "scale_records", "stage_adapter", "serve_adapter", "unstage_adapter",
     }
     assert all(spec.group in {"observe", "update", "serve"} for spec in REPLICA_METHODS.values())

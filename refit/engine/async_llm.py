@@ -53,6 +53,7 @@ from refit.provenance import ScaleRecord
 from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import Rendezvous
+from refit.transport.kinds import TransportKind
 from refit.verification.probe import ProbeRequest
 
 __all__ = ["AsyncLLMAdapter", "AsyncReplica", "AsyncReplicaMethods", "Completion", "async_llm_replica", "start_async_llm"]
@@ -120,6 +121,9 @@ class AsyncReplica:
 
     def transport_ranks(self) -> int:
         return self.core.transport_ranks()
+
+    def transports(self) -> dict:
+        return self.core.transports()
 
     def transport_group(self) -> str | None:
         return self.core.transport_group()
@@ -261,11 +265,14 @@ class AsyncLLMAdapter:
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
-        if config.transport_kind.traits.needs_core_in_process:
-            raise ConfigError(
-                f"transport={config.transport_kind.name!r} hands tensors to vLLM's workers as RPC arguments, "
-                "which an AsyncLLM's engine core (always in its own process) cannot pass on; use SyncConfig(transport='collective')"
-            )
+        if (refusal := self.transport_refusal(config.transport_kind)) is not None:
+            raise ConfigError(refusal)
+
+    def transport_refusal(self, kind: TransportKind) -> str | None:
+        if kind.traits.needs_core_in_process:
+            return (f"transport={kind.name!r} hands tensors to vLLM's workers as RPC arguments, which an AsyncLLM's "
+                    "engine core (always in its own process) cannot pass on; use SyncConfig(transport='collective')")
+        return None
 
     def call_workers(self, method: str, *args: Any) -> list:
         return self._run(self.llm.collective_rpc(method, args=args))

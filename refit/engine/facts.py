@@ -38,6 +38,7 @@ class EngineFacts:
     workers: int  # vLLM workers, each a rank of a collective group
     fp8_kv_cache: bool
     initial_refusal: str | None  # why it must not serve before its first sync (a dummy load)
+    device: str = "cpu"  # where its workers run ("cpu", "cuda", ...): `transport="auto"` asks
 
     @classmethod
     def of(cls, vllm_config: Any) -> EngineFacts:
@@ -57,6 +58,7 @@ class EngineFacts:
                 "it started with load_format='dummy', so its weights and scales are placeholders; run a sync first"
                 if dummy else None
             ),
+            device=str(vllm_config.device_config.device_type),
         )
 
     def to_plain(self) -> dict[str, Any]:
@@ -64,7 +66,7 @@ class EngineFacts:
         return {
             "model_info": _info_to_plain(self.model_info),
             "vocab_size": self.vocab_size, "workers": self.workers, "fp8_kv_cache": self.fp8_kv_cache,
-            "initial_refusal": self.initial_refusal,
+            "initial_refusal": self.initial_refusal, "device": self.device,
         }
 
     @classmethod
@@ -76,6 +78,7 @@ class EngineFacts:
                 model_info=_info_from_plain(plain["model_info"]),
                 vocab_size=int(plain["vocab_size"]), workers=int(plain["workers"]),
                 fp8_kv_cache=bool(plain["fp8_kv_cache"]), initial_refusal=None if refusal is None else str(refusal),
+                device=str(plain["device"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"not an engine's facts ({type(error).__name__}: {error}); the sender is not refit's") from None

@@ -31,6 +31,7 @@ from refit.errors import ConfigError, EngineError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
 from refit.tokens import token_prompts
+from refit.transport.kinds import TransportKind
 
 __all__ = ["LLMAdapter", "llm_replica", "start_llm"]
 
@@ -92,13 +93,15 @@ class LLMAdapter:
                 f"pause={str(config.pause)!r}: a vllm.LLM replica serves whole batches and always waits for them; "
                 "an AsyncLLM replica (actors.AsyncRolloutActor) can abort requests in flight"
             )
-        if config.transport_kind.traits.needs_core_in_process and not self.engine_core_in_process:
-            raise ConfigError(
-                f"transport={config.transport_kind.name!r} hands tensors to vLLM's workers as RPC arguments, "
-                "which needs the engine core in the rollout's process, but this engine runs it in its own "
-                "(VLLM_ENABLE_V1_MULTIPROCESSING=1); "
-                "use SyncConfig(transport='collective')"
-            )
+        if (refusal := self.transport_refusal(config.transport_kind)) is not None:
+            raise ConfigError(refusal)
+
+    def transport_refusal(self, kind: TransportKind) -> str | None:
+        if kind.traits.needs_core_in_process and not self.engine_core_in_process:
+            return (f"transport={kind.name!r} hands tensors to vLLM's workers as RPC arguments, which needs the engine "
+                    "core in the rollout's process, but this engine runs it in its own (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
+                    "use SyncConfig(transport='collective')")
+        return None
 
     def call_workers(self, method: str, *args: Any) -> list:
         return self.llm.collective_rpc(method, args=args)

@@ -48,6 +48,7 @@ from refit.tokens import token_prompts
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.delta import ReplicaBase
+from refit.transport.kinds import AUTO_CANDIDATES, TransportKind, transport_kind
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, probe_prompts, thresholds_for
 
@@ -86,6 +87,9 @@ class EngineAdapter(Protocol):
 
     def check(self, config: SyncConfig) -> None:
         """Refuse a sync this engine cannot take part in (a transport that cannot reach its workers, a pause mode)."""
+
+    def transport_refusal(self, kind: TransportKind) -> str | None:
+        """Why this engine cannot take `kind`'s bytes, or None (`check` raises it; `transports` asks without a sync)."""
 
     def call_workers(self, method: str, *args: Any) -> list:
         """Call `method` on every worker (vLLM's `collective_rpc`); one result per worker."""
@@ -168,6 +172,11 @@ class ReplicaCore:
     def transport_ranks(self) -> int:
         """How many ranks this replica takes in a collective group: one per vLLM worker."""
         return self.facts.workers
+
+    def transports(self) -> dict:
+        """The transports `transport="auto"` may pick that this replica's engine takes, and where its workers run."""
+        accepts = [name for name in AUTO_CANDIDATES if self.engine.transport_refusal(transport_kind(name)) is None]
+        return {"accepts": accepts, "device": self.facts.device}
 
     def transport_group(self) -> str | None:
         """The collective group this replica's workers are in, if any."""

@@ -91,6 +91,7 @@ from refit.errors import ConfigError, EngineError, EngineHungError, ServerError,
 from refit.plan.config import Pause, SyncConfig
 from refit.tokens import token_prompts
 from refit.transport.collective import JOIN_MARGIN_S
+from refit.transport.kinds import TransportKind
 
 __all__ = ["DEV_MODE_ENV", "GATE_MIDDLEWARE", "ServerAdapter", "key_argument", "serve_arguments", "serve_key", "server_replica"]
 
@@ -250,14 +251,16 @@ class ServerAdapter:
             ) from None
 
     # -- the core's calls ---------------------------------------------------------------
+    def transport_refusal(self, kind: TransportKind) -> str | None:
+        if not kind.traits.reaches_server:
+            return (f"transport={kind.name!r}: a vllm serve replica ({self.url}) takes its bytes only over a collective "
+                    "group its workers join (HTTP carries only control messages); use SyncConfig(transport='collective')")
+        return None
+
     def check(self, config: SyncConfig) -> None:
         """Refuse a transport whose bytes would cross HTTP, and a server that restarted since it connected."""
-        if not config.transport_kind.traits.reaches_server:
-            raise ConfigError(
-                f"transport={str(config.transport)!r}: a vllm serve replica ({self.url}) takes its bytes only over "
-                "a collective group its workers join (HTTP carries only control messages); "
-                "use SyncConfig(transport='collective')"
-            )
+        if (refusal := self.transport_refusal(config.transport_kind)) is not None:
+            raise ConfigError(refusal)
         self.timeout_s = config.timeout_s
         now = self._boot_ids()
         if now != self.boot_ids:

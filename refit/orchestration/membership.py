@@ -20,7 +20,7 @@ from refit.errors import ConfigError
 from refit.orchestration.calls import call_all, is_actor, raise_first_error, wait_until_started
 from refit.orchestration.fleet import replica_name
 from refit.orchestration.progress import progress_bar
-from refit.plan.config import SyncConfig, Verify
+from refit.plan.config import SyncConfig, Transport, Verify
 from refit.plan.transfer_plan import RolloutModelInfo
 from refit.protocols import RolloutReplica, WeightSource, has_method, missing_methods
 
@@ -54,9 +54,10 @@ class Membership:
         problems = []
         for who, replica in members:
             problems += [f"{who} lacks {m}()" for m in missing_methods(replica, RolloutReplica)]
-            kind = self.config.transport_kind
-            problems += [f"{who} lacks {m}(), which transport={kind.name!r} needs"
-                         for m in kind.traits.replica_methods if not has_method(replica, m)]
+            if self.config.transport is not Transport.AUTO:  # else the choice weighs what each member has
+                kind = self.config.transport_kind
+                problems += [f"{who} lacks {m}(), which transport={kind.name!r} needs"
+                             for m in kind.traits.replica_methods if not has_method(replica, m)]
         return problems
 
     def add(self, replica: RolloutReplica, model: RolloutModelInfo | None) -> str:
@@ -122,9 +123,10 @@ def actor_problems(sources: list[tuple[str, Any]], fleet: Membership) -> list[st
     if config.verify is Verify.PROBE:
         problems += [f"{who} lacks reference_logprobs(), which verify='probe' needs"
                      for who, source in sources if not has_method(source, "reference_logprobs")]
-    kind = config.transport_kind
-    problems += [f"{who} lacks {m}(), which transport={kind.name!r} needs"
-                 for who, source in sources for m in kind.traits.sender_methods if not has_method(source, m)]
+    if config.transport is not Transport.AUTO:
+        kind = config.transport_kind
+        problems += [f"{who} lacks {m}(), which transport={kind.name!r} needs"
+                     for who, source in sources for m in kind.traits.sender_methods if not has_method(source, m)]
     return problems
 
 

@@ -54,6 +54,8 @@ class SyncReport:
     attempts: int = 1  # more than one: the survivors began again (a replica lost mid-broadcast, or a delta base that failed)
     digest: str | None = None  # of the version the trainer sent (its entries' keyed integrity tags, combined), with delta syncs on
     gathered_bytes: int | None = None  # what a sharded trainer's ranks all-gathered to send what they could not send as held
+    transport: str = ""  # the road the bytes took ("ray", "collective", "ipc")
+    transport_reason: str = ""  # why: picked by transport="auto" for this fleet, or set by SyncConfig.transport
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +71,8 @@ class SyncReport:
             + (f"; trainer busy {self.trainer_seconds:.3f} s" if self.trainer_seconds is not None else "")
             + (f", its ranks gathered {self.gathered_bytes / 2**20:.2f} MiB" if self.gathered_bytes else "") + ")"
         ]
+        if self.transport:
+            lines.append(f"  over {self.transport}: {self.transport_reason}")
         lines += [
             f"  replica {r.replica} on {r.node_id[:8]}: load {r.load_seconds:.3f} s, finish {r.finish_seconds:.3f} s, "
             f"serves v{r.served_version} ({r.mode}, {r.bytes_received / 2**20:.2f} MiB received), "

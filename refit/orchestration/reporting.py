@@ -52,9 +52,9 @@ def report_questions(roll: Roll, sources: list[tuple[str, Any]], known_nodes: di
 
 def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str, float], answers: list[list[Outcome]],
                 known_nodes: dict[str, str], *, start: float, startup_seconds: float, plan_seconds: float,
-                digest: str | None) -> SyncReport:
+                digest: str | None, transport: tuple[str, str]) -> SyncReport:
     """What the sync did, per stage (`stages`, seconds) and per replica; `answers`: to `report_questions`, whose node
-    ids join `known_nodes`; `start`: when the sync began (`time.perf_counter`)."""
+    ids join `known_nodes`; `start`: when the sync began (`time.perf_counter`); `transport`: its name, and why."""
     node_answers, stats = answers
     # "" for a replica that no longer answers: the sync is done, that is no reason to fail it (and it is asked again).
     known_nodes.update({o.who: o.value for o in node_answers if o.ok})
@@ -81,6 +81,8 @@ def sync_report(plan: TransferPlan, done: Attempt, roll: Roll, stages: dict[str,
         dropped=tuple(roll.dropped),
         attempts=done.number,
         digest=digest,
+        transport=transport[0],
+        transport_reason=transport[1],
     )
 
 

@@ -59,6 +59,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from refit.engine.lifecycle import FinishedUpdate
@@ -74,7 +75,8 @@ from refit.orchestration.metrics import record_sync
 from refit.orchestration.report import AdapterSyncReport, SyncReport
 from refit.orchestration.reporting import Attempt, check_finished, report_questions, sync_report
 from refit.orchestration.streaming import BucketRelay
-from refit.plan.config import SyncConfig, Verify
+from refit.orchestration.transport_choice import pick_transport
+from refit.plan.config import SyncConfig, Transport, Verify
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource
@@ -115,6 +117,10 @@ class Syncer:
         self._sources = checked_sources(trainer, self._fleet)
         self._group = CollectiveGroupLifecycle(self._sources, self.config)
         self._delta = DeltaNegotiation(self._sources, self.config)
+        # transport="auto": `self.config` names the transport picked for the fleet `_picked_for` (`_pick_transport`).
+        self._auto_transport = self.config.transport is Transport.AUTO
+        self._picked_for: tuple[str, ...] | None = None
+        self._transport_reason = "" if self._auto_transport else "set by SyncConfig.transport"
         self._syncing = False
         self._plan: TransferPlan | None = None
         self._rollout_model: RolloutModelInfo | None = None
@@ -163,6 +169,25 @@ class Syncer:
                 f"{method}() during a sync: the fleet changes only between syncs; call it after sync() returns "
                 "(a replica lost during a sync is dropped from the fleet by the sync itself)"
             )
+
+    @property
+    def transport(self) -> str | None:
+        """The transport the next sync takes; with `transport="auto"`, None until the first sync picks one."""
+        return None if self.config.transport is Transport.AUTO else str(self.config.transport)
+
+    def _pick_transport(self) -> None:
+        """With `transport="auto"`: pick one for the fleet (refit/orchestration/transport_choice.py), before the first
+        sync and after the fleet changed; a collective group is left when the fleet goes back to `ray`."""
+        if not self._auto_transport or self._picked_for == tuple(self._fleet.names):
+            return
+        name, self._transport_reason = pick_transport(self._sources, self._fleet.members, self.config)
+        if self.transport != name:
+            self._group.disconnect(self._fleet.members)
+            self.config = replace(self.config, transport=name)
+            self._fleet.config = self.config
+            self._group = CollectiveGroupLifecycle(self._sources, self.config)
+            self._delta = DeltaNegotiation(self._sources, self.config)
+        self._picked_for = tuple(self._fleet.names)
 
     # -- the sync ---------------------------------------------------------------------
     def wait_until_started(self) -> float:
@@ -240,6 +265,7 @@ class Syncer:
         planned_before = self._plan is not None
         plan = self.plan()
         plan_seconds = 0.0 if planned_before else time.perf_counter() - start
+        self._pick_transport()
         if len(self._fleet.members) < self.config.min_replicas:
             raise ConfigError(
                 f"the Syncer has {len(self._fleet.members)} replica(s) and SyncConfig.min_replicas={self.config.min_replicas}: "
@@ -253,12 +279,14 @@ class Syncer:
             log.warning("sync %s v%d: %d replica(s) serve it (%.3f s); dropped from the fleet: %s", done.sync_id, done.version,
                         len(roll.members), time.perf_counter() - start, "; ".join(map(str, roll.dropped)))
         else:
-            log.info("sync %s v%d: every replica serves it (%.3f s)", done.sync_id, done.version, time.perf_counter() - start)
+            log.info("sync %s v%d: every replica serves it (%.3f s over %s)", done.sync_id, done.version,
+                     time.perf_counter() - start, self.config.transport)
         check_finished(done.finished)
         entries, *answers = done.answers
         digest = self._delta.settled(done.sync_id, done.version, done.finished, entries)
         report = sync_report(plan, done, roll, stages, answers, self._nodes, start=start, startup_seconds=startup_seconds,
-                             plan_seconds=plan_seconds, digest=digest)
+                             plan_seconds=plan_seconds, digest=digest,
+                             transport=(str(self.config.transport), self._transport_reason))
         if report.probe_breached:
             log.warning("sync %s v%d: the logprob probe breached its thresholds (flagged, not failed)", done.sync_id, done.version)
         record_sync(report, verified=self.config.verify is not Verify.OFF, syncer=self.config.metrics_tag)

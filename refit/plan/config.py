@@ -15,7 +15,7 @@ from typing import Any
 from refit.errors import ConfigError, InvalidTensorError
 from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
-from refit.transport.kinds import TransportKind, transport_kind
+from refit.transport.kinds import AUTO_CANDIDATES, TransportKind, transport_kind
 
 __all__ = ["Delta", "Draft", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
@@ -38,6 +38,7 @@ class QuantizeOn(StrEnum):
 class Transport(StrEnum):
     """How a bucket's bytes travel from the trainer to the rollouts' workers (refit/transport/)."""
 
+    AUTO = "auto"  # the Syncer picks one every member can take (refit.transport.kinds.choose_transport)
     RAY = "ray"  # Ray's object store; needs the engine core in the rollout actor's process
     COLLECTIVE = "collective"  # one broadcast group of trainer and workers (gloo on CPU, NCCL on GPU)
     IPC = "ipc"  # CUDA IPC handles: a trainer and rollout on the same GPU
@@ -96,10 +97,12 @@ class SyncConfig:
     on_probe_breach: str = "fail"
     """What a breached probe threshold does: `"fail"` the sync (replicas refuse) or `"flag"` it in the report."""
 
-    transport: Transport = Transport.RAY
-    """`"ray"` (default; the engine core must run in the rollout actor's process), `"collective"`
-    (a broadcast group straight into the workers; any engine process layout), or `"ipc"` (CUDA only,
-    trainer and rollout on one GPU). One per Syncer: a sequence naming several is refused."""
+    transport: Transport = Transport.AUTO
+    """`"auto"` (default: the Syncer asks every member what it can take and picks, before its first sync
+    and after the fleet changes; `SyncReport.transport` says which and why), `"ray"` (the object store;
+    the engine core must run in the rollout actor's process), `"collective"` (a broadcast group straight
+    into the workers; any engine process layout), or `"ipc"` (CUDA only, trainer and rollout on one GPU).
+    One per Syncer: a sequence naming several is refused."""
 
     delta: Delta = Delta.AUTO
     """`"auto"`: send each replica whose last version is the trainer's last one (equal digests) only
@@ -166,12 +169,15 @@ class SyncConfig:
         Not with `verify="off"`: a version is named by its bytes' keyed tags,
         which such a sync does not make.
         """
+        kinds = [transport_kind(name) for name in AUTO_CANDIDATES] if self.transport is Transport.AUTO else [self.transport_kind]
         return (self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER and self.verify is not Verify.OFF
-                and self.transport_kind.traits.delta_base_in is not None)
+                and all(kind.traits.delta_base_in is not None for kind in kinds))
 
     @property
     def transport_kind(self) -> TransportKind:
         """The object that is `transport`: what the driver, the trainer and the replicas ask of it (refit/transport/kinds/)."""
+        if self.transport is Transport.AUTO:
+            raise ConfigError("transport='auto' names no transport until a Syncer picks one for its fleet (Syncer.transport)")
         return transport_kind(self.transport)
 
     def __post_init__(self) -> None:

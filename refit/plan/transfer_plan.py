@@ -176,6 +176,13 @@ class TransferPlan:
         return [t.target for t in self.tensors] + [target for target, _ in self.copies]
 
     @property
+    def source_bytes(self) -> int:
+        """The trainer's bytes of every tensor a replica loads, copies counted too: the model's size in a checkpoint
+        (a tied `lm_head` as its own tensor)."""
+        by_target = {t.target: t.source_bytes for t in self.tensors}
+        return sum(by_target.values()) + sum(by_target[of] for _, of in self.copies)
+
+    @property
     def wire_bytes(self) -> int:
         """Bytes each replica fetches per sync."""
         return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)

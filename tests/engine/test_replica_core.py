@@ -70,7 +70,7 @@ class RecordingEngine:
 
 def _setup(engine: RecordingEngine, **config):
     model = tiny_decoder()
-    config = SyncConfig(bucket_bytes=100_000, timeout_s=5, **config)
+    config = SyncConfig(bucket_bytes=100_000, timeout_s=5, **{"transport": "ray", **config})  # as a Syncer hands it
     plan = make_plan(describe_weights(model), RolloutModelInfo(FP8_BLOCK, False), config).for_sync(new_sync_key())
     return ReplicaCore(engine), plan, config, list(produce_buckets(plan, checkpoint_tensors(model)))
 
@@ -133,7 +133,7 @@ def test_a_rival_sync_is_refused_without_releasing_the_requests_the_open_update_
 def test_an_update_whose_sync_stopped_calling_is_closed_by_the_watchdog():
     engine = RecordingEngine()
     core, plan, config, _ = _setup(engine)
-    core.begin_update(plan, "s1", SyncConfig(bucket_bytes=100_000, timeout_s=0.2))
+    core.begin_update(plan, "s1", SyncConfig(bucket_bytes=100_000, timeout_s=0.2, transport="ray"))
     deadline = time.monotonic() + 10
     while core.status().phase is Phase.UPDATING and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -146,6 +146,35 @@ def test_a_transport_the_actors_cannot_use_is_refused_before_anything_runs():
     assert "rollout 1 lacks transport_ranks()" in str(error.value)  # every problem, reported together
 
 
+class CoreElsewhere(FakeReplica):
+    """Says what an AsyncLLM replica says: it takes only `collective` (which these fakes cannot join)."""
+
+    def transports(self) -> dict:
+        return {"accepts": ["collective"], "device": "cpu"}
+
+
+class Silent(FakeReplica):
+    def transports(self) -> dict:
+        raise EngineError("no answer")
+
+
+def test_auto_picks_the_object_store_for_fakes_and_says_why_in_the_report():
+    trainer, replicas = setup()
+    syncer = Syncer(trainer, [*replicas, Silent(expected_names(tiny_decoder()))], SyncConfig(bucket_bytes=100_000, timeout_s=5))
+    assert syncer.transport is None  # picked at the first sync, when every member can be asked
+    report = syncer.sync()
+    assert syncer.transport == report.transport == "ray" and "every member can take it" in report.transport_reason
+    assert "over ray: every member can take it" in report.summary()  # one that does not answer is judged by its methods
+
+
+def test_auto_refuses_a_fleet_no_transport_suits_before_anything_runs():
+    trainer, replicas = setup()
+    syncer = Syncer(trainer, [replicas[0], CoreElsewhere(expected_names(tiny_decoder()))], SyncConfig(timeout_s=5))
+    with pytest.raises(ConfigError, match=r"no transport suits every member(.|\n)*rollout 1 can take none"):
+        syncer.sync()
+    assert all(r.lifecycle.status().phase is Phase.SERVING for r in replicas[:1])  # nothing began
+
+
 def test_mixing_transports_within_one_syncer_is_refused():
     with pytest.raises(ConfigError, match=r"mixing transports \(collective, ray\) within one Syncer is not supported"):
         SyncConfig(transport=("collective", "ray"))

@@ -160,7 +160,7 @@ def test_the_ray_transport_is_refused_before_requests_are_held(setup):
     trainer, rollout = setup
     before = ray.get(rollout.status.remote())
     with pytest.raises(refit.ConfigError, match=r"AsyncLLM's engine core .*\(transport='collective'\)"):
-        refit.sync(trainer, rollout)
+        refit.sync(trainer, rollout, refit.SyncConfig(transport="ray"))  # the default, "auto", picks collective
     assert ray.get(rollout.status.remote()) == before and before.phase is Phase.SERVING
 
 

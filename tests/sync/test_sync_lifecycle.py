@@ -100,7 +100,7 @@ def test_an_abandoned_update_is_never_served_and_the_next_sync_repairs_it(actors
     syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=1 << 20))
     plan = syncer.plan().for_sync(new_sync_key())  # a sync by hand makes its own key, as `Syncer` does for each
     first_bucket = next(iter(trainer.stream_buckets.options(num_returns="streaming").remote(plan)))
-    version = ray.get(rollout.begin_update.remote(plan, "by-hand", refit.SyncConfig()))
+    version = ray.get(rollout.begin_update.remote(plan, "by-hand", refit.SyncConfig(transport="ray")))
     ray.get(rollout.load_bucket.remote("by-hand", version, [first_bucket]))
     status = ray.get(rollout.abort_update.remote("by-hand", "the test abandons it"))  # what Syncer does on a failure
     assert status.phase is refit.Phase.REFUSING and status.reason == "the test abandons it"

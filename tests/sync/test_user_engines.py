@@ -49,9 +49,10 @@ def replicas(module_actors):
         "async_llm": _user(UserAsyncLLMRollout, 2, model, module_actors),
     }
     before = {kind: ray.get(replica.status.remote()) for kind, replica in kinds.items()}
-    refit.Syncer(trainer, [kinds["reference"], kinds["llm"]]).sync()
-    with refit.Syncer(trainer, kinds["async_llm"], COLLECTIVE) as syncer:  # AsyncLLM: its core is in its own process
-        syncer.sync()
+    # transport="auto" (the default): the AsyncLLM's core is in its own process, so the fleet broadcasts.
+    with refit.Syncer(trainer, list(kinds.values())) as syncer:
+        report = syncer.sync()
+    assert report.transport == "collective" and report.transport_reason.startswith("rollout 2 cannot take 'ray'")
     return trainer, kinds, before
 
 
@@ -99,7 +100,7 @@ def test_a_failed_completeness_check_closes_the_update_on_the_replica_itself(rep
     """Regression: `RolloutActor` left this update open for the driver to abort; the async actor closed it itself."""
     trainer, kinds, _ = replicas
     replica = kinds[kind]
-    config = COLLECTIVE if kind == "async_llm" else refit.SyncConfig()
+    config = COLLECTIVE if kind == "async_llm" else refit.SyncConfig(transport="ray")
     served, tokens_before = ray.get(replica.status.remote()).served_version, _generate(kind, replica, PROMPTS[:1])[0]
     plan = refit.Syncer(trainer, replica, config).plan()
     version = ray.get(replica.begin_update.remote(plan, "incomplete", config))

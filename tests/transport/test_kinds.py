@@ -8,14 +8,42 @@ from refit.errors import ConfigError, TransportError
 from refit.plan.config import SyncConfig, Transport
 from refit.transport.collective import Rendezvous
 from refit.transport.ipc import IpcTransport
-from refit.transport.kinds import TRANSPORTS, kind_of_handle, transport_kind
+from refit.transport.kinds import AUTO_CANDIDATES, TRANSPORTS, choose_transport, kind_of_handle, transport_kind
 
 
 def test_the_registry_names_every_public_transport_and_nothing_else() -> None:
-    assert set(TRANSPORTS) == {t.value for t in Transport}
-    for transport in Transport:
+    assert set(TRANSPORTS) == {t.value for t in Transport} - {"auto"}
+    for transport in set(Transport) - {Transport.AUTO}:
         assert SyncConfig(transport=transport).transport_kind is transport_kind(transport.value)
         assert transport_kind(transport).name == transport.value
+    assert set(AUTO_CANDIDATES) <= set(TRANSPORTS)
+    with pytest.raises(ConfigError, match="transport='auto' names no transport until a Syncer picks one"):
+        _ = SyncConfig().transport_kind
+
+
+CPU = {"accepts": ["ray", "collective"], "device": "cpu"}
+CORE_ELSEWHERE = {"accepts": ["collective"], "device": "cpu"}  # an AsyncLLM's, a vllm serve's
+TRAINER = {"trainer": ["ray", "collective"]}
+
+
+def test_auto_keeps_the_object_store_on_cpus_and_broadcasts_on_cuda() -> None:
+    name, why = choose_transport(TRAINER, {"rollout 0": CPU, "rollout 1": CPU})
+    assert name == "ray" and "on cpu" in why
+    cuda = {"accepts": ["ray", "collective"], "device": "cuda"}
+    name, why = choose_transport(TRAINER, {"rollout 0": cuda, "rollout 1": cuda})
+    assert name == "collective" and "CUDA" in why
+    assert choose_transport(TRAINER, {"rollout 0": cuda, "rollout 1": CPU})[0] == "ray"  # a CPU member: no NCCL for all
+
+
+def test_auto_broadcasts_where_a_replica_cannot_take_the_object_store_and_names_it() -> None:
+    name, why = choose_transport(TRAINER, {"rollout 0": CPU, "rollout 3": CORE_ELSEWHERE})
+    assert name == "collective" and why.startswith("rollout 3 cannot take 'ray'")
+
+
+def test_auto_refuses_a_fleet_no_transport_suits_naming_what_each_member_takes() -> None:
+    with pytest.raises(ConfigError, match=r"no transport suits every member(.|\n)*trainer can send over \['ray'\]"
+                                          r"(.|\n)*rollout 1 can take \['collective'\]"):
+        choose_transport({"trainer": ["ray"]}, {"rollout 0": CPU, "rollout 1": CORE_ELSEWHERE})
 
 
 def test_each_stream_handle_names_its_own_transport() -> None:

@@ -119,7 +119,7 @@ def test_a_skipped_tensor_fails_naming_it(broken):
 def test_a_scale_corrupted_in_the_engine_after_loading_fails_naming_the_layer(broken):
     """Driven step by step, as `Syncer` does, with the engine's scale doubled between the last bucket and finish."""
     trainer, replica = tampering(broken, "none")
-    config = refit.SyncConfig()
+    config = refit.SyncConfig(transport="ray")  # by hand, the transport a Syncer would pick (auto) is named
     plan = refit.Syncer(trainer, replica, config).plan().for_sync(new_sync_key())  # a key of its own, as a sync's
     version = ray.get(replica.begin_update.remote(plan, "manual", config))
     for ref in trainer.stream_buckets.options(num_returns="streaming").remote(plan):

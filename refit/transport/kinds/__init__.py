@@ -8,6 +8,7 @@ to `refit.plan.config.Transport`, the public enum of the accepted strings
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from refit.errors import ConfigError, TransportError
@@ -16,7 +17,8 @@ from refit.transport.kinds.ipc import CudaIpcTransport
 from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportKind, TransportTraits
 from refit.transport.kinds.ray import RayTransport
 
-__all__ = ["TRANSPORTS", "BucketSink", "StreamHandle", "TransportKind", "TransportTraits", "kind_of_handle", "transport_kind"]
+__all__ = ["AUTO_CANDIDATES", "TRANSPORTS", "BucketSink", "StreamHandle", "TransportKind", "TransportTraits",
+           "choose_transport", "kind_of_handle", "transport_kind"]
 
 TRANSPORTS: dict[str, TransportKind] = {kind.name: kind for kind in (RayTransport(), CollectiveTransport(), CudaIpcTransport())}
 
@@ -35,3 +37,36 @@ def kind_of_handle(handle: Any) -> TransportKind:
         if kind.handles(handle):
             return kind
     raise TransportError(f"transport={handle!r}: expected 'ray', an IpcTransport or a collective group's Rendezvous")
+
+
+AUTO_CANDIDATES = ("ray", "collective")
+"""What `transport="auto"` picks from: `ipc` needs trainer and rollout on one GPU, which only the user knows."""
+
+
+def choose_transport(senders: Mapping[str, Sequence[str]], replicas: Mapping[str, Mapping[str, Any]]) -> tuple[str, str]:
+    """`transport="auto"`: the transport for a fleet, and why, from what each member can take.
+
+    `senders`: per trainer rank, the transports it can send over; `replicas`: per replica, its `transports()`
+    answer, `{"accepts": [names], "device": "cpu" | "cuda" | ...}`. Where both are possible, `collective` if
+    every replica's workers are on CUDA (NCCL moves the bytes from GPU to GPU, where the object store would
+    stage them through host memory on both sides), else `ray`: on CPUs the object store is as fast (see
+    docs/performance.md), lets each replica fetch whole buckets or deltas as its base needs, and a lost
+    replica is dropped without the others beginning again. Raises `ConfigError` naming what each member takes
+    when no transport suits them all.
+    """
+    takers = {name: [who for who in senders if name in senders[who]] + [who for who in replicas if name in replicas[who]["accepts"]]
+              for name in AUTO_CANDIDATES}
+    everyone = len(senders) + len(replicas)
+    possible = [name for name in AUTO_CANDIDATES if len(takers[name]) == everyone]
+    if not possible:
+        what = [f"{who} can send over {list(names) or 'none'}" for who, names in senders.items()]
+        what += [f"{who} can take {list(offer['accepts']) or 'none'}" for who, offer in replicas.items()]
+        raise ConfigError("transport='auto': no transport suits every member of this sync, so set one (and fit the "
+                          "members to it):\n  " + "\n  ".join(what))
+    devices = sorted({str(offer.get("device", "")) for offer in replicas.values()})
+    if "collective" in possible and devices == ["cuda"]:
+        return "collective", "every member can join a collective group and every replica's workers are on CUDA (NCCL)"
+    if "ray" in possible:
+        return "ray", f"every member can take it (the replicas' workers are on {', '.join(devices)})"
+    refusing = [who for who in list(senders) + list(replicas) if who not in takers["ray"]]
+    return "collective", f"{', '.join(refusing)} cannot take 'ray' (its engine core runs in another process)"
