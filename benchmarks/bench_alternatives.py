@@ -227,7 +227,7 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
         finally:
             shutil.rmtree(shm, ignore_errors=True)
         largest = max(sum(t.wire_bytes(plan.quantize_on) for t in bucket) for bucket in plan.buckets)
-        return SizeResult(layers, hidden, sum(t.source_bytes for t in plan.tensors), plan.wire_bytes,
+        return SizeResult(layers, hidden, plan.source_bytes, plan.wire_bytes,
                           len(plan.buckets), results, largest, detail, memory)
     finally:
         for actor in (trainer, rollout, beside):

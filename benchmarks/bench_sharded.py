@@ -44,8 +44,8 @@ def main() -> None:
                 seconds[name].append(syncer.sync().total_seconds)
 
         plan = syncers["single process"].plan()
-        bf16_bytes = sum(t.source_bytes for t in plan.tensors)
-        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {bf16_bytes / 2**20:.0f} MiB bf16, "
+        bf16_bytes = sum(t.source_bytes for t in plan.tensors)  # what a gather would move: a tied copy is not gathered
+        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {plan.source_bytes / 2**20:.0f} MiB bf16, "
                  f"{plan.wire_bytes / 2**20:.0f} MiB FP8_BLOCK on the wire, {len(plan.buckets)} buckets"]
         medians = {name: statistics.median(s) for name, s in seconds.items()}
         for name, median in medians.items():

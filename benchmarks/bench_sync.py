@@ -33,7 +33,7 @@ def synthetic_checkpoints(root: Path, layers: int, hidden: int) -> tuple[Path, P
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=8192, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        vocab_size=16384, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=hidden // 64, num_key_value_heads=max(2, hidden // 256), head_dim=64,
         max_position_embeddings=512, tie_word_embeddings=True, dtype="bfloat16", architectures=["Qwen3ForCausalLM"],
     )
@@ -90,7 +90,7 @@ def main() -> None:
         report = syncers["in flight 2 (overlap)"].sync()
 
         plan = syncers["in flight 2 (overlap)"].plan()
-        source_mib = sum(t.source_bytes for t in plan.tensors) / 2**20
+        source_mib = plan.source_bytes / 2**20
         lines = [f"model: {args.layers} layers, hidden {args.hidden}, {source_mib:.0f} MiB bf16; "
                  f"{report.bytes_on_wire / 2**20:.0f} MiB on the wire in {report.buckets} buckets",
                  report.summary()]

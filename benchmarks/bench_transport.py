@@ -42,7 +42,7 @@ def main() -> None:
             syncer.close()
 
         plan = syncers["ray"].plan()
-        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {sum(t.source_bytes for t in plan.tensors) / 2**20:.0f} MiB bf16; "
+        lines = [f"model: {args.layers} layers, hidden {args.hidden}, {plan.source_bytes / 2**20:.0f} MiB bf16; "
                  f"{plan.wire_bytes / 2**20:.0f} MiB on the wire in {len(plan.buckets)} buckets of <= {args.bucket_mib:g} MiB"]
         medians = {name: statistics.median(s) for name, s in seconds.items()}
         for name, median in medians.items():
