@@ -256,3 +256,43 @@ int refit_steps_apply(uint8_t *stored, long numel, int width, const uint8_t *bit
     }
     return 0;
 }
+
+/* A bitmap delta: one bit per element of `width` bytes whose bytes differ (little-endian bit order, `bitmap`
+   zeroed by the caller), then the changed elements' new bytes, in element order. Equal 8-byte words are
+   skipped at memory speed. Returns how many changed. */
+long refit_bitmap_encode(const uint8_t *a, const uint8_t *b, long numel, int width, uint8_t *bitmap, uint8_t *values) {
+    const long per_word = 8 / width;
+    long count = 0, i = 0;
+    for (; i + per_word <= numel; i += per_word) {
+        uint64_t u, v;
+        memcpy(&u, a + i * width, 8);
+        memcpy(&v, b + i * width, 8);
+        if (u == v) continue;
+        for (long j = i; j < i + per_word; j++) {
+            if (memcmp(a + j * width, b + j * width, (size_t)width)) {
+                bitmap[j >> 3] |= (uint8_t)(1u << (j & 7));
+                memcpy(values + count++ * width, a + j * width, (size_t)width);
+            }
+        }
+    }
+    for (; i < numel; i++) {
+        if (memcmp(a + i * width, b + i * width, (size_t)width)) {
+            bitmap[i >> 3] |= (uint8_t)(1u << (i & 7));
+            memcpy(values + count++ * width, a + i * width, (size_t)width);
+        }
+    }
+    return count;
+}
+
+/* Write a bitmap delta's values into `stored` in place; -1 (nothing written) if the bitmap marks another
+   number of elements than `n`, or elements past `numel`. */
+int refit_bitmap_apply(uint8_t *stored, long numel, int width, const uint8_t *bitmap, const uint8_t *values, long n) {
+    long marked = 0;
+    for (long byte = 0; byte < (numel + 7) / 8; byte++) marked += __builtin_popcount(bitmap[byte]);
+    if (marked != n || (numel % 8 && bitmap[numel / 8] >> (numel % 8))) return -1;
+    long k = 0;
+    for (long byte = 0; byte < (numel + 7) / 8; byte++)
+        for (unsigned bits = bitmap[byte]; bits; bits &= bits - 1)
+            memcpy(stored + (byte * 8 + __builtin_ctz(bits)) * width, values + k++ * width, (size_t)width);
+    return 0;
+}

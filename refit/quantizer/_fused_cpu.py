@@ -34,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["all_finite", "apply_delta", "apply_steps", "bf16_to_fp8_codes", "encode_delta", "encode_steps", "handles", "quantize"]
+__all__ = [
+    "all_finite", "apply_bitmap", "apply_delta", "apply_steps", "bf16_to_fp8_codes", "encode_bitmap", "encode_delta",
+    "encode_steps", "handles", "quantize",
+]
 
 _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -123,6 +126,29 @@ def apply_steps(stored: torch.Tensor, width: int, bitmap: torch.Tensor, steps: t
                                      steps.numel(), escaped.data_ptr(), escaped.numel() // width) == 0
 
 
+def encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | bool:
+    """A bitmap delta's (bitmap uint8, changed elements' bytes uint8) from two contiguous CPU byte tensors of
+    `width`-byte elements (refit.transport.delta); False where this kernel does not apply."""
+    library = _library()
+    if library is None or new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
+        return False
+    numel = new.numel() // width
+    bitmap, values = torch.zeros(-(-numel // 8), dtype=torch.uint8), torch.empty(new.numel(), dtype=torch.uint8)
+    n = library.refit_bitmap_encode(new.data_ptr(), old.data_ptr(), numel, width, bitmap.data_ptr(), values.data_ptr())
+    return bitmap, values[: n * width]
+
+
+def apply_bitmap(stored: torch.Tensor, width: int, bitmap: torch.Tensor, values: torch.Tensor) -> bool | None:
+    """Write a bitmap delta into `stored` (contiguous CPU bytes) in place: True, False (nothing written) if its bitmap
+    does not mark exactly its values' elements, None where this kernel does not apply."""
+    library = _library()
+    if library is None or stored.device.type != "cpu" or not stored.is_contiguous():
+        return None
+    bitmap, values = bitmap.contiguous(), values.contiguous()
+    return library.refit_bitmap_apply(stored.data_ptr(), stored.numel() // width, width, bitmap.data_ptr(),
+                                      values.data_ptr(), values.numel() // width) == 0
+
+
 def all_finite(tensor: torch.Tensor) -> bool | None:
     """Whether a CPU bf16 tensor holds no NaN/Inf, or None where this kernel does not apply."""
     if not (handles(tensor) and tensor.is_contiguous()):
@@ -177,4 +203,10 @@ def _library() -> ctypes.CDLL | None:
     library.refit_steps_apply.restype = ctypes.c_int
     library.refit_steps_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
+    library.refit_bitmap_encode.restype = ctypes.c_long
+    library.refit_bitmap_encode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                            ctypes.c_void_p]
+    library.refit_bitmap_apply.restype = ctypes.c_int
+    library.refit_bitmap_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_long]
     return library

@@ -336,14 +336,18 @@ def _encode_steps(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) 
 
 def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, str, torch.Tensor] | None:
     """(changed elements, "bitmap", payload); None if nothing changed (the sparse form is smaller then)."""
-    changed = _elements(new, width) != _elements(old, width)
-    n = int(changed.sum())
+    parts = _fused_cpu.encode_bitmap(new, old, width)
+    if parts is False:  # torch ops
+        changed = _elements(new, width) != _elements(old, width)
+        parts = torch.from_numpy(np.packbits(changed.numpy(), bitorder="little")), as_bytes(_elements(new, width)[changed])
+    bitmap, values = parts
+    n = values.numel() // width
     if n == 0:
         return None
-    bits_size = _round8(-(-numel // 8))
+    bits_size = _round8(bitmap.numel())
     payload = torch.zeros(_bitmap_size(numel, n, width), dtype=torch.uint8)
-    payload[: -(-numel // 8)] = torch.from_numpy(np.packbits(changed.numpy(), bitorder="little"))
-    payload[bits_size : bits_size + width * n] = as_bytes(_elements(new, width)[changed])
+    payload[: bitmap.numel()] = bitmap
+    payload[bits_size : bits_size + values.numel()] = values
     return n, "bitmap", payload
 
 
@@ -395,10 +399,12 @@ def _apply_bitmap(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor
         steps, escaped = rest[:n].view(torch.int8), rest[_round8(n) :]
         escaped = escaped[: width * int((steps == _ESCAPE).sum())]
         applied = _fused_cpu.apply_steps(stored, width, bitmap, steps, escaped)
-        if applied is False:
-            raise BaseMismatchError(f"{entry.name}: a delta's bitmap does not mark exactly its {n} changes")
-        if applied:
-            return
+    else:
+        applied = _fused_cpu.apply_bitmap(stored, width, bitmap, rest[: width * n])
+    if applied is False:
+        raise BaseMismatchError(f"{entry.name}: a delta's bitmap does not mark exactly its {n} changes")
+    if applied:
+        return
     changed = torch.from_numpy(np.unpackbits(bitmap.numpy(), count=numel, bitorder="little").view(bool))
     if int(changed.sum()) != n:
         raise BaseMismatchError(f"{entry.name}: a delta's bitmap marks {int(changed.sum())} elements, not its {n} changes")

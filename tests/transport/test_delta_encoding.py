@@ -101,30 +101,45 @@ def test_where_many_bf16_elements_move_a_little_their_steps_are_sent_and_rebuild
     assert replica.digest() == version_digest(sender.entries())
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("fraction", [0.08, 0.5])
-def test_where_many_elements_jump_a_bitmap_of_positions_and_new_values_is_sent(fraction):
+def test_where_many_elements_jump_a_bitmap_of_positions_and_new_values_is_sent(monkeypatch, kernel, fraction):
     """Steps that do not fit int8 (here the exponent's lowest bit, 128 units) would all be escaped: the bitmap
-    with the new values is smaller."""
+    with the new values is smaller. So it is for FP8 codes, once more than 1 in 16 change."""
+    if kernel == "torch":
+        monkeypatch.setattr(_fused_cpu, "encode_bitmap", lambda *args: False)
+        monkeypatch.setattr(_fused_cpu, "apply_bitmap", lambda *args: None)
     sender, replica = SenderBase(), ReplicaBase()
     state = tensors()
     sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
     embedding = changed(state[2:], fraction, byte=1)[0]
-    (sent,), (rows,) = sync(sender, replica, [bucket(state[0], state[1], embedding)], DeltaMode.DELTA)
-    (emb,) = [entry for entry in sent.tensors if entry.name == "emb"]
+    codes = changed(state[:1], 0.3)[0]
+    (sent,), (rows,) = sync(sender, replica, [bucket(codes, state[1], embedding)], DeltaMode.DELTA)
+    w, _, emb = sent.tensors
     numel = 70 * 64
     assert emb.encoding == "bitmap" and emb.nbytes == delta._bitmap_size(numel, emb.changed, 2)
     assert emb.nbytes < 0.125 * numel + 2 * (fraction + 0.05) * numel
+    assert w.encoding == "bitmap" and w.nbytes == delta._bitmap_size(300 * 260, w.changed, 1)
     assert torch.equal(rows[2][1].view(torch.uint8), embedding.view(torch.uint8))
+    assert torch.equal(rows[0][1].view(torch.uint8), codes.view(torch.uint8))
     assert replica.digest() == version_digest(sender.entries())
 
 
-def test_a_bitmap_that_marks_another_count_than_the_entry_says_is_refused():
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+@pytest.mark.parametrize("byte", [0, 1], ids=["steps", "bitmap"])
+def test_a_bitmap_that_marks_another_count_than_the_entry_says_is_refused(monkeypatch, kernel, byte):
+    if kernel == "torch":
+        for name in ("encode_bitmap", "encode_steps"):
+            monkeypatch.setattr(_fused_cpu, name, lambda *args: False)
+        for name in ("apply_bitmap", "apply_steps"):
+            monkeypatch.setattr(_fused_cpu, name, lambda *args: None)
     sender, replica = SenderBase(), ReplicaBase()
     state = tensors()
     sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
-    (sent,) = sender.stream([bucket(state[0], state[1], changed(state[2:], 0.3)[0])], DeltaMode.DELTA)
+    (sent,) = sender.stream([bucket(state[0], state[1], changed(state[2:], 0.3, byte=byte)[0])], DeltaMode.DELTA)
     rows = [(entry, tensor.clone()) for entry, tensor in sent.unpack_rows()]
     emb, payload = rows[2]
+    assert emb.encoding == ("steps", "bitmap")[byte]
     payload[0] ^= 0x01  # one position more or fewer than `changed`
     replica.begin()
     with pytest.raises(BaseMismatchError, match="emb: a delta's bitmap"):
