@@ -266,8 +266,9 @@ def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, str,
     numel = new.numel() // width
     chunks = _chunks(numel)
     cap = (new.numel() - 8 - _layout(numel, 0, width)[2]) // (2 + width)  # at most this many for a smaller payload
-    if width >= 2:  # past (1/8 + 1) bytes per element's worth of changes, steps are smaller
-        cap = min(cap, numel // (8 * (width + 1)) + 8)
+    # Past this many changes another form is smaller, so the sparse pass stops there: a bitmap (1/8 byte per
+    # element, then `width` per change) past 1 in 16; steps (1/8, then 1 per change) past 1 in 8 * (width + 1).
+    cap = min(cap, (numel // (8 * (width + 1)) if width >= 2 else numel // 16) + 8)
     parts = _delta_parts(new, old, width, cap, chunks) if cap >= 0 else None
     smallest = new.numel()  # the whole entry
     if parts is not None:
