@@ -43,7 +43,7 @@ machine. Joins the cluster at `RAY_ADDRESS` if set (nodes carrying resources
 `node0` and `node1`, as `fixtures.cluster.local_cluster` makes), else starts
 a 2-node local one.
 
-    .venv/bin/python -m benchmarks.bench_alternatives            # 8x1024 and 8x2048: 216 and 800 MiB bf16
+    .venv/bin/python -m benchmarks.bench_alternatives            # 8x1024 and 8x2048: 248 and 864 MiB bf16
     .venv/bin/python -m benchmarks.bench_alternatives --sizes 2x256 --repeats 1   # smoke
 
 With `--write-docs` (as `make bench` runs it) it also writes its tables into

@@ -1,6 +1,6 @@
 """Delta syncs against full syncs of the same trainer state, after AdamW steps at RL learning rates.
 
-A synthetic tied Qwen3 (`--layers` x `--hidden`, default 8 x 2048: 800 MiB
+A synthetic tied Qwen3 (`--layers` x `--hidden`, default 8 x 2048: 864 MiB
 bf16), a trainer with fp32 master weights on node 0 and one FP8_BLOCK
 dummy-loaded rollout with an FP8 KV cache on node 1. Per learning rate, per
 repeat: one AdamW step of the trainer's fp32 master weights with random
