@@ -47,11 +47,25 @@ def sync(sender: SenderBase, replica: ReplicaBase, buckets: list, mode: DeltaMod
     return sent, rebuilt
 
 
+def torch_ops_only(monkeypatch, *forms: str) -> None:
+    """The C kernels of `forms` ("delta", "steps", "bitmap") say they do not apply, so torch ops run instead."""
+    for form in forms:
+        monkeypatch.setattr(_fused_cpu, f"encode_{form}", lambda *args: False)
+        monkeypatch.setattr(_fused_cpu, f"apply_{form}", lambda *args: None)
+
+
+def after_a_full_sync() -> tuple[SenderBase, ReplicaBase, tuple]:
+    """A sender and a replica whose bases hold `tensors()`."""
+    sender, replica = SenderBase(), ReplicaBase()
+    state = tensors()
+    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    return sender, replica, state
+
+
 @pytest.mark.parametrize("kernel", ["c", "torch"])
 def test_a_chain_of_deltas_rebuilds_the_senders_bytes_and_its_digest(monkeypatch, kernel):
     if kernel == "torch":
-        monkeypatch.setattr(_fused_cpu, "encode_delta", lambda *args: False)
-        monkeypatch.setattr(_fused_cpu, "apply_delta", lambda *args: None)
+        torch_ops_only(monkeypatch, "delta")
     sender, replica = SenderBase(), ReplicaBase()
     state = tensors()
     sent, _ = sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
@@ -67,9 +81,7 @@ def test_a_chain_of_deltas_rebuilds_the_senders_bytes_and_its_digest(monkeypatch
 
 
 def test_an_entry_whose_delta_is_not_smaller_travels_whole_and_both_mode_yields_both():
-    sender, replica = SenderBase(), ReplicaBase()
-    state = tensors()
-    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    sender, replica, state = after_a_full_sync()
     state = (changed(state[:1], 0.97)[0], *state[1:])  # nearly every FP8 code: even a bitmap is not smaller
     whole, delta_part = sender.stream([bucket(*state)], DeltaMode.BOTH)
     kinds = {entry.name: entry.changed for entry in delta_part.tensors}
@@ -87,11 +99,8 @@ def test_where_many_bf16_elements_move_a_little_their_steps_are_sent_and_rebuild
     bit per element plus an int8 step per changed one. A few elements that move further (here 1%, by 256 units)
     are escaped, their new values sent whole."""
     if kernel == "torch":
-        monkeypatch.setattr(_fused_cpu, "encode_steps", lambda *args: False)
-        monkeypatch.setattr(_fused_cpu, "apply_steps", lambda *args: None)
-    sender, replica = SenderBase(), ReplicaBase()
-    state = tensors()
-    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+        torch_ops_only(monkeypatch, "steps")
+    sender, replica, state = after_a_full_sync()
     embedding = changed(changed(state[2:], fraction)[0:1], 0.01, seed=5, byte=1)[0]
     (sent,), (rows,) = sync(sender, replica, [bucket(state[0], state[1], embedding)], DeltaMode.DELTA)
     (emb,) = [entry for entry in sent.tensors if entry.name == "emb"]
@@ -107,11 +116,8 @@ def test_where_many_elements_jump_a_bitmap_of_positions_and_new_values_is_sent(m
     """Steps that do not fit int8 (here the exponent's lowest bit, 128 units) would all be escaped: the bitmap
     with the new values is smaller. So it is for FP8 codes, once more than 1 in 16 change."""
     if kernel == "torch":
-        monkeypatch.setattr(_fused_cpu, "encode_bitmap", lambda *args: False)
-        monkeypatch.setattr(_fused_cpu, "apply_bitmap", lambda *args: None)
-    sender, replica = SenderBase(), ReplicaBase()
-    state = tensors()
-    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+        torch_ops_only(monkeypatch, "bitmap")
+    sender, replica, state = after_a_full_sync()
     embedding = changed(state[2:], fraction, byte=1)[0]
     codes = changed(state[:1], 0.3)[0]
     (sent,), (rows,) = sync(sender, replica, [bucket(codes, state[1], embedding)], DeltaMode.DELTA)
@@ -129,13 +135,8 @@ def test_where_many_elements_jump_a_bitmap_of_positions_and_new_values_is_sent(m
 @pytest.mark.parametrize("byte", [0, 1], ids=["steps", "bitmap"])
 def test_a_bitmap_that_marks_another_count_than_the_entry_says_is_refused(monkeypatch, kernel, byte):
     if kernel == "torch":
-        for name in ("encode_bitmap", "encode_steps"):
-            monkeypatch.setattr(_fused_cpu, name, lambda *args: False)
-        for name in ("apply_bitmap", "apply_steps"):
-            monkeypatch.setattr(_fused_cpu, name, lambda *args: None)
-    sender, replica = SenderBase(), ReplicaBase()
-    state = tensors()
-    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+        torch_ops_only(monkeypatch, "bitmap", "steps")
+    sender, replica, state = after_a_full_sync()
     (sent,) = sender.stream([bucket(state[0], state[1], changed(state[2:], 0.3, byte=byte)[0])], DeltaMode.DELTA)
     rows = [(entry, tensor.clone()) for entry, tensor in sent.unpack_rows()]
     emb, payload = rows[2]
@@ -147,9 +148,7 @@ def test_a_bitmap_that_marks_another_count_than_the_entry_says_is_refused(monkey
 
 
 def test_a_base_that_differs_is_refused_by_name_and_dropped():
-    sender, replica = SenderBase(), ReplicaBase()
-    state = tensors()
-    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    sender, replica, state = after_a_full_sync()
     replica._entries[("emb", 0)][1][5] ^= 0x40  # altered after it was served
     state = changed(state, 0.01)
     (sent,) = sender.stream([bucket(*state)], DeltaMode.DELTA)
@@ -227,9 +226,7 @@ def test_the_c_kernel_and_torch_encode_the_same_delta_and_refuse_more_than_the_c
 
 
 def test_a_delta_whose_positions_do_not_fit_is_refused_by_both_kernels(monkeypatch):
-    sender, replica = SenderBase(), ReplicaBase()
-    state = tensors()
-    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    sender, replica, state = after_a_full_sync()
     (sent,) = sender.stream([bucket(*changed(state, 0.01))], DeltaMode.DELTA)
     entry, payload = sent.unpack_rows()[0]
     payload = payload.clone()
