@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from refit.errors import ConfigError
 from refit.orchestration.calls import call_all
 from refit.plan.config import SyncConfig
 from refit.protocols import has_method
@@ -28,6 +29,10 @@ def pick_transport(sources: list[tuple[str, Any]], members: list[tuple[str, Any]
     for who, replica in members:
         can = _by_methods(replica, "replica_methods")
         answer = answers.get(who) or {"accepts": can, "device": ""}
+        if not (isinstance(answer, dict) and isinstance(answer.get("accepts"), (list, tuple))
+                and all(isinstance(name, str) for name in answer["accepts"]) and isinstance(answer.get("device"), str)):
+            raise ConfigError(f"{who}: transports() answered {answer!r}; expected {{'accepts': [transport names], "
+                              "'device': 'cpu' | 'cuda' | ...}")
         offers[who] = {"accepts": [name for name in answer["accepts"] if name in can], "device": answer["device"]}
     senders = {who: _by_methods(source, "sender_methods") for who, source in sources}
     return choose_transport(senders, offers)

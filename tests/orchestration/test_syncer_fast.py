@@ -175,6 +175,16 @@ def test_auto_refuses_a_fleet_no_transport_suits_before_anything_runs():
     assert all(r.lifecycle.status().phase is Phase.SERVING for r in replicas[:1])  # nothing began
 
 
+def test_auto_refuses_a_replica_whose_answer_is_not_an_offer_naming_it():
+    class Garbled(FakeReplica):
+        def transports(self):
+            return {"accepts": "ray", "device": "cpu"}
+
+    trainer, replicas = setup()
+    with pytest.raises(ConfigError, match=r"rollout 1: transports\(\) answered \{'accepts': 'ray'"):
+        Syncer(trainer, [replicas[0], Garbled(expected_names(tiny_decoder()))], SyncConfig(timeout_s=5)).sync()
+
+
 def test_mixing_transports_within_one_syncer_is_refused():
     with pytest.raises(ConfigError, match=r"mixing transports \(collective, ray\) within one Syncer is not supported"):
         SyncConfig(transport=("collective", "ray"))
