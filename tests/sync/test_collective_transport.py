@@ -107,7 +107,7 @@ def test_the_ray_transport_into_a_separate_engine_core_is_refused_and_the_replic
     trainer, _, own_process = setup
     before = ray.get(own_process.status.remote())
     with pytest.raises(refit.ConfigError, match=r"transport='ray' .*\(VLLM_ENABLE_V1_MULTIPROCESSING=1\).*transport='collective'"):
-        refit.sync(trainer, own_process)
+        refit.sync(trainer, own_process, refit.SyncConfig(transport="ray"))  # the default, "auto", picks collective
     assert ray.get(own_process.status.remote()) == before
 
 

@@ -47,12 +47,13 @@ def choose_transport(senders: Mapping[str, Sequence[str]], replicas: Mapping[str
     """`transport="auto"`: the transport for a fleet, and why, from what each member can take.
 
     `senders`: per trainer rank, the transports it can send over; `replicas`: per replica, its `transports()`
-    answer, `{"accepts": [names], "device": "cpu" | "cuda" | ...}`. Where both are possible, `collective` if
-    every replica's workers are on CUDA (NCCL moves the bytes from GPU to GPU, where the object store would
-    stage them through host memory on both sides), else `ray`: on CPUs the object store is as fast (see
-    docs/performance.md), lets each replica fetch whole buckets or deltas as its base needs, and a lost
-    replica is dropped without the others beginning again. Raises `ConfigError` naming what each member takes
-    when no transport suits them all.
+    answer, `{"accepts": [names], "device": "cpu" | "cuda" | ...}`. `ray` wherever every member takes it: it
+    works wherever it is accepted, each replica fetches whole buckets or deltas as its own base needs, and a
+    replica lost mid-stream is dropped while the others go on. Else `collective` (an AsyncLLM or `vllm serve`
+    replica, whose engine core runs in another process). Never `collective` by speed alone: on CPUs neither
+    road wins everywhere (docs/performance.md), and on GPUs a trainer colocated with a replica on one device
+    (a hybrid engine) cannot form an NCCL group with it, which no member's answer tells yet. Raises
+    `ConfigError` naming what each member takes when no transport suits them all.
     """
     takers = {name: [who for who in senders if name in senders[who]] + [who for who in replicas if name in replicas[who]["accepts"]]
               for name in AUTO_CANDIDATES}
@@ -63,10 +64,8 @@ def choose_transport(senders: Mapping[str, Sequence[str]], replicas: Mapping[str
         what += [f"{who} can take {list(offer['accepts']) or 'none'}" for who, offer in replicas.items()]
         raise ConfigError("transport='auto': no transport suits every member of this sync, so set one (and fit the "
                           "members to it):\n  " + "\n  ".join(what))
-    devices = sorted({str(offer.get("device", "")) for offer in replicas.values()})
-    if "collective" in possible and devices == ["cuda"]:
-        return "collective", "every member can join a collective group and every replica's workers are on CUDA (NCCL)"
+    devices = sorted({str(offer.get("device", "")) for offer in replicas.values()} - {""})
     if "ray" in possible:
-        return "ray", f"every member can take it (the replicas' workers are on {', '.join(devices)})"
+        return "ray", f"every member can take it (the replicas' workers are on {', '.join(devices) or 'devices unsaid'})"
     refusing = [who for who in list(senders) + list(replicas) if who not in takers["ray"]]
     return "collective", f"{', '.join(refusing)} cannot take 'ray' (its engine core runs in another process)"
