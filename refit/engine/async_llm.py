@@ -45,7 +45,7 @@ from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
-from refit.errors import ConfigError, ReplicaRefusingError, SyncTimeoutError
+from refit.errors import ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -265,8 +265,7 @@ class AsyncLLMAdapter:
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
-        if (refusal := self.transport_refusal(config.transport_kind)) is not None:
-            raise ConfigError(refusal)
+        pass  # its transport is all it can refuse (`transport_refusal`), and the core asks that
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process:

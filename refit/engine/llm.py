@@ -93,8 +93,6 @@ class LLMAdapter:
                 f"pause={str(config.pause)!r}: a vllm.LLM replica serves whole batches and always waits for them; "
                 "an AsyncLLM replica (actors.AsyncRolloutActor) can abort requests in flight"
             )
-        if (refusal := self.transport_refusal(config.transport_kind)) is not None:
-            raise ConfigError(refusal)
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process and not self.engine_core_in_process:

@@ -85,11 +85,13 @@ class EngineAdapter(Protocol):
 
     facts: EngineFacts
 
-    def check(self, config: SyncConfig) -> None:
-        """Refuse a sync this engine cannot take part in (a transport that cannot reach its workers, a pause mode)."""
-
     def transport_refusal(self, kind: TransportKind) -> str | None:
-        """Why this engine cannot take `kind`'s bytes, or None (`check` raises it; `transports` asks without a sync)."""
+        """Why this engine cannot take `kind`'s bytes, or None (`begin_update` raises it; `transports` asks it
+        without a sync)."""
+
+    def check(self, config: SyncConfig) -> None:
+        """Refuse a sync this engine cannot take part in for another reason than its transport (a pause mode, a
+        server that restarted)."""
 
     def call_workers(self, method: str, *args: Any) -> list:
         """Call `method` on every worker (vLLM's `collective_rpc`); one result per worker."""
@@ -228,7 +230,9 @@ class ReplicaCore:
         """Hold new requests, pause (requests in flight finish or abort), start the reload; returns the lowest version accepted."""
         if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids would fail only after every weight is loaded
             token_prompts(config.calibration_prompts, vocab_size=self.facts.vocab_size, setting="calibration_prompts")
-        self.engine.check(config)  # before requests are held
+        if (refusal := self.engine.transport_refusal(config.transport_kind)) is not None:  # before requests are held
+            raise ConfigError(refusal)
+        self.engine.check(config)
         with self._lock:
             holds = self.lifecycle.open_update() is None  # a rival sync's update keeps its own hold; begin refuses it
             if holds:

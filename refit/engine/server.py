@@ -258,9 +258,7 @@ class ServerAdapter:
         return None
 
     def check(self, config: SyncConfig) -> None:
-        """Refuse a transport whose bytes would cross HTTP, and a server that restarted since it connected."""
-        if (refusal := self.transport_refusal(config.transport_kind)) is not None:
-            raise ConfigError(refusal)
+        """Refuse a server that restarted since this replica connected (its transport: `transport_refusal`)."""
         self.timeout_s = config.timeout_s
         now = self._boot_ids()
         if now != self.boot_ids:

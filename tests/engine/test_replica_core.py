@@ -34,6 +34,9 @@ class RecordingEngine:
         self.loaded: set[str] = set()
         self.drop = drop  # a tensor the workers "lose": the completeness check must catch it
 
+    def transport_refusal(self, kind) -> None:
+        return None
+
     def check(self, config: SyncConfig) -> None:
         pass
 
