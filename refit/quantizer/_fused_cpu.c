@@ -153,19 +153,18 @@ int refit_delta_apply(uint8_t *stored, long numel, int width, const int32_t *cou
    of `b`, modulo 2^(8*width). Sets one bit per changed element in `bitmap` (zeroed by the caller, little-
    endian bit order) and writes each changed element's step as int8, in element order: small updates move a
    bf16 value by a few units of its last place. A step outside -127..127 is written as -128 (an escape) and
-   the new element's bytes are appended to `escaped`. Returns how many changed (*n_escaped: how many escaped),
-   or -1 past `cap` changes (the caller sends another form). */
+   the new element's bytes are appended to `escaped`. Returns how many changed (*n_escaped: how many escaped);
+   `steps` and `escaped` have room for every element. */
 static inline uint64_t element_at(const uint8_t *p, long index, int width) {
     uint64_t v = 0;
     memcpy(&v, p + index * width, (size_t)width);  /* little-endian: the low bytes of v */
     return v;
 }
 
-static inline int encode_step(const uint8_t *a, const uint8_t *b, long i, int width, uint64_t mask, long cap,
-                              long *count, long *n_escaped, uint8_t *bitmap, int8_t *steps, uint8_t *escaped) {
+static inline void encode_step(const uint8_t *a, const uint8_t *b, long i, int width, uint64_t mask,
+                               long *count, long *n_escaped, uint8_t *bitmap, int8_t *steps, uint8_t *escaped) {
     const uint64_t step = (element_at(a, i, width) - element_at(b, i, width)) & mask;
-    if (!step) return 0;
-    if (*count == cap) return -1;
+    if (!step) return;
     bitmap[i >> 3] |= (uint8_t)(1u << (i & 7));
     if (step <= 127 || step >= mask - 126) {  /* 1..127 or -127..-1 */
         steps[(*count)++] = (int8_t)(step & 0xFF);
@@ -173,7 +172,6 @@ static inline int encode_step(const uint8_t *a, const uint8_t *b, long i, int wi
         steps[(*count)++] = -128;
         memcpy(escaped + (*n_escaped)++ * width, a + i * width, (size_t)width);
     }
-    return 1;
 }
 
 /* Two-byte elements (bf16, the case that matters), without branches on the data: 5-25% of elements change,
@@ -211,9 +209,9 @@ static long steps_encode_16(const uint16_t *a, const uint16_t *b, long numel, ui
     return count;
 }
 
-long refit_steps_encode(const uint8_t *a, const uint8_t *b, long numel, int width, long cap,
+long refit_steps_encode(const uint8_t *a, const uint8_t *b, long numel, int width,
                         uint8_t *bitmap, int8_t *steps, uint8_t *escaped, long *n_escaped) {
-    if (width == 2 && cap >= numel)
+    if (width == 2)
         return steps_encode_16((const uint16_t *)a, (const uint16_t *)b, numel, bitmap, steps, (uint16_t *)escaped, n_escaped);
     const uint64_t mask = width == 8 ? ~0ULL : (1ULL << (8 * width)) - 1;
     const long per_word = 8 / width;
@@ -225,10 +223,10 @@ long refit_steps_encode(const uint8_t *a, const uint8_t *b, long numel, int widt
         memcpy(&v, b + i * width, 8);
         if (u == v) continue;
         for (long j = i; j < i + per_word; j++)
-            if (encode_step(a, b, j, width, mask, cap, &count, n_escaped, bitmap, steps, escaped) < 0) return -1;
+            encode_step(a, b, j, width, mask, &count, n_escaped, bitmap, steps, escaped);
     }
     for (; i < numel; i++)
-        if (encode_step(a, b, i, width, mask, cap, &count, n_escaped, bitmap, steps, escaped) < 0) return -1;
+        encode_step(a, b, i, width, mask, &count, n_escaped, bitmap, steps, escaped);
     return count;
 }
 

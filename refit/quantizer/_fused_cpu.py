@@ -110,8 +110,8 @@ def encode_steps(
     numel = new.numel() // width
     bitmap, steps = torch.zeros(-(-numel // 8), dtype=torch.uint8), torch.empty(numel, dtype=torch.int8)
     escaped, n_escaped = torch.empty(new.numel(), dtype=torch.uint8), ctypes.c_long(0)
-    n = library.refit_steps_encode(new.data_ptr(), old.data_ptr(), numel, width, numel, bitmap.data_ptr(),
-                                   steps.data_ptr(), escaped.data_ptr(), ctypes.byref(n_escaped))
+    n = library.refit_steps_encode(new.data_ptr(), old.data_ptr(), numel, width, bitmap.data_ptr(), steps.data_ptr(),
+                                   escaped.data_ptr(), ctypes.byref(n_escaped))
     return bitmap, steps[:n], escaped[: n_escaped.value * width]
 
 
@@ -198,8 +198,8 @@ def _library() -> ctypes.CDLL | None:
     library.refit_delta_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     library.refit_steps_encode.restype = ctypes.c_long
-    library.refit_steps_encode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
+    library.refit_steps_encode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
     library.refit_steps_apply.restype = ctypes.c_int
     library.refit_steps_apply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_long, ctypes.c_void_p, ctypes.c_long]

@@ -274,9 +274,9 @@ def _encode(new: torch.Tensor, old: torch.Tensor, dtype: str) -> tuple[int, str,
     if parts is not None:
         smallest = min(smallest, _layout(numel, parts[2].numel(), width)[2])
     if parts is None or 16 * parts[2].numel() > numel:  # past 1 in 16 changed, a bitmap may be smaller
-        steps = _encode_steps(new, old, width, numel)
+        steps = _encode_steps(new, old, width)
         if steps is None or steps[2].numel() > _bitmap_size(numel, steps[0], width):  # escapes past the values' size
-            steps = _encode_bitmap(new, old, width, numel)
+            steps = _encode_bitmap(new, old, width)
         if steps is not None and steps[2].numel() < smallest:
             return steps
     if parts is None or smallest == new.numel():
@@ -307,10 +307,22 @@ def _wrapped(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _steps_size(numel: int, changed: int, escaped: int, width: int) -> int:
-    return _round8(-(-numel // 8)) + _round8(changed) + _round8(width * escaped)
+    return _bitmap_size(numel, changed, 1) + _round8(width * escaped)
 
 
-def _encode_steps(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, str, torch.Tensor] | None:
+def _bitmap_payload(bitmap: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+    """The bitmap forms' layout: the bitmap, then each part (values; or steps, then escaped values), each padded
+    to 8 bytes (`_bitmap_size`, `_steps_size`)."""
+    padded = [_round8(part.numel()) for part in (bitmap, *parts)]
+    payload = torch.zeros(sum(padded), dtype=torch.uint8)
+    offset = 0
+    for part, size in zip((bitmap, *parts), padded):
+        payload[offset : offset + part.numel()] = part
+        offset += size
+    return payload
+
+
+def _encode_steps(new: torch.Tensor, old: torch.Tensor, width: int) -> tuple[int, str, torch.Tensor] | None:
     """(changed elements, "steps", payload); None for 1-byte elements or if nothing changed."""
     if width < 2:
         return None
@@ -324,32 +336,21 @@ def _encode_steps(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) 
         parts = (torch.from_numpy(np.packbits(changed.numpy(), bitorder="little")),
                  torch.where(fits, step, _ESCAPE).to(torch.int8), escaped)
     bitmap, steps, escaped = parts
-    n = steps.numel()
-    if n == 0:
+    if steps.numel() == 0:
         return None
-    bits_size = _round8(bitmap.numel())
-    payload = torch.zeros(_steps_size(numel, n, escaped.numel() // width, width), dtype=torch.uint8)
-    payload[: bitmap.numel()] = bitmap
-    payload[bits_size : bits_size + n] = as_bytes(steps)
-    payload[bits_size + _round8(n) : bits_size + _round8(n) + escaped.numel()] = escaped
-    return n, "steps", payload
+    return steps.numel(), "steps", _bitmap_payload(bitmap, as_bytes(steps), escaped)
 
 
-def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int, numel: int) -> tuple[int, str, torch.Tensor] | None:
+def _encode_bitmap(new: torch.Tensor, old: torch.Tensor, width: int) -> tuple[int, str, torch.Tensor] | None:
     """(changed elements, "bitmap", payload); None if nothing changed (the sparse form is smaller then)."""
     parts = _fused_cpu.encode_bitmap(new, old, width)
     if parts is False:  # torch ops
         changed = _elements(new, width) != _elements(old, width)
         parts = torch.from_numpy(np.packbits(changed.numpy(), bitorder="little")), as_bytes(_elements(new, width)[changed])
     bitmap, values = parts
-    n = values.numel() // width
-    if n == 0:
+    if values.numel() == 0:
         return None
-    bits_size = _round8(bitmap.numel())
-    payload = torch.zeros(_bitmap_size(numel, n, width), dtype=torch.uint8)
-    payload[: bitmap.numel()] = bitmap
-    payload[bits_size : bits_size + values.numel()] = values
-    return n, "bitmap", payload
+    return values.numel() // width, "bitmap", _bitmap_payload(bitmap, values)
 
 
 def _apply(stored: torch.Tensor, payload: torch.Tensor, entry: WireTensor) -> None:
