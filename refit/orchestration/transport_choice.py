@@ -2,8 +2,8 @@
 
 Why asked, not guessed: whether a replica can take `ray` depends on where its
 engine core runs (in its actor's process, or in a process of its own as in
-AsyncLLM and `vllm serve`), and whether `collective` pays depends on where its
-workers run; only the replica knows both (`transports()`). The rule itself is
+AsyncLLM and `vllm serve`), which only the replica knows (`transports()`,
+which also says where its workers run, for the report). The rule itself is
 `refit.transport.kinds.choose_transport`, beside the transports it names.
 """
 
