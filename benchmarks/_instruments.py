@@ -23,7 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["StageClock", "capture_loads_start", "capture_loads_stop", "drop_loads", "load_alone", "memory_start", "memory_stop",
-           "produce_alone", "stages_start", "stages_stop"]
+           "produce_alone", "shared_file_bytes", "stages_start", "stages_stop"]
+
+
+SHM_COPY = "copy into shm file"  # after production: not in a report's trainer seconds
 
 
 class MemorySampler:
@@ -54,6 +57,14 @@ def memory_start(actor: Any) -> None:
 
 def memory_stop(actor: Any) -> int:
     return actor.__dict__.pop("_bench_memory").stop()
+
+
+def shared_file_bytes(actor: Any) -> int:
+    """The size of the trainer process's ring of shm files (`refit.transport.shm`): written pages are shared memory,
+    which private RSS leaves out."""
+    from refit.transport.shm import shared_segments
+
+    return shared_segments().nbytes()
 
 
 class StageClock:
@@ -88,12 +99,15 @@ def stages_start(actor: Any) -> None:
     if hasattr(actor, "replica"):
         import refit.plan.data_path as data_path
         import refit.transport.kinds.ray as ray_transport
+        import refit.transport.kinds.shm as shm_transport
         from refit.transport.delta import ReplicaBase
 
         clock.wrap(ray_transport, "fetch_parts", "fetch")
+        clock.wrap(shm_transport, "open_shm_bucket", "map")
         clock.wrap(data_path, "_check_tags", "verify")
         clock.wrap(ReplicaBase, "rebuild", "keep base / rebuild delta")
         clock.wrap(actor.replica.workers, "load", "load")
+        clock.wrap(actor.replica.workers, "receive", "receive (shm: map, verify, load)")
         clock.wrap(actor.replica.workers, "finish_update", "finalize")
         clock.wrap(actor.replica, "_apply_kv_scales", "post-refit stage")
     else:
@@ -106,6 +120,9 @@ def stages_start(actor: Any) -> None:
         from refit.transport.delta import SenderBase
 
         clock.wrap(SenderBase, "_delta", "delta encode")
+        from refit.transport.shm import _Segment
+
+        clock.wrap(_Segment, "write", SHM_COPY)
 
 
 def stages_stop(actor: Any) -> dict[str, float]:

@@ -79,8 +79,9 @@ from tests.support.actors import run_in
 
 ROUND_TRIP = "round trip (/dev/shm)"
 CLONE = "clone (bandwidth floor)"
-DEFAULT = "refit ray, verified (default)"
-ONE_NODE = "refit ray, default, one node"
+DEFAULT = "refit default (auto), verified"
+RAY = "refit ray, verified"
+ONE_NODE = "refit ray, verified, one node"
 LOAD_ALONE = "rollout load alone"
 PRODUCE_ALONE = "trainer production alone"
 NOT_SYNCS = (ROUND_TRIP, CLONE, LOAD_ALONE, PRODUCE_ALONE)  # rows that are not a way to sync
@@ -97,9 +98,11 @@ def refit_paths(bucket_bytes: int) -> dict[str, refit.SyncConfig]:
         return refit.SyncConfig(bucket_bytes=kwargs.pop("bucket_bytes", bucket_bytes), **kwargs)
 
     return {
-        DEFAULT: config(),
-        "refit ray, verified, no delta base": config(delta="off"),
-        "refit ray, verify off": config(verify="off"),
+        DEFAULT: config(),  # two Ray nodes of one host: `shm`
+        "refit shm, verify off": config(transport="shm", verify="off"),
+        RAY: config(transport="ray"),  # what `auto` picks between hosts
+        "refit ray, verified, no delta base": config(transport="ray", delta="off"),
+        "refit ray, verify off": config(transport="ray", verify="off"),
         "refit collective, verified": config(transport="collective"),
         "refit collective, verify off": config(transport="collective", verify="off"),
         "bf16 wire, quantize on rollout": config(quantize_on="rollout"),
@@ -128,6 +131,7 @@ class SizeResult:
     largest_bucket_bytes: int = 0
     stage_detail: dict[str, dict[str, float]] = field(default_factory=dict)  # side -> stage -> s, one untimed default sync
     peak_extra_bytes: dict[str, int] = field(default_factory=dict)  # side -> private RSS peak above its level before
+    shared_file_bytes: int = 0  # the trainer's ring of shm files after the syncs (shared pages: not in the RSS above)
 
 
 # -- the alternatives, run inside the actors ------------------------------------------------------
@@ -193,14 +197,16 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
         paths = {name: config for name, config in refit_paths(bucket_bytes).items() if name in wanted}
         syncers = {name: refit.Syncer(trainer, rollout, config) for name, config in paths.items()}
         if beside is not None:
-            syncers[ONE_NODE] = refit.Syncer(beside, rollout, paths[DEFAULT])
+            syncers[ONE_NODE] = refit.Syncer(beside, rollout, refit_paths(bucket_bytes)[RAY])
         results = {name: PathResult() for name in [*syncers, ROUND_TRIP, CLONE, LOAD_ALONE, PRODUCE_ALONE]}
         for syncer in syncers.values():  # warm-up: actors started, plans made, kernels built, pages touched
             syncer.sync()
-        # What a default sync hands the rollout's engine, kept in the rollout for its load alone.
+        # What a sync hands the rollout's engine (the same tensors over any transport), kept in the rollout for its
+        # load alone; captured from a sync over `ray`, whose tensors reach the engine through the rollout's process.
         run_in(rollout, instruments.capture_loads_start)
         run_in(rollout, drop_replica_base)
-        syncers[DEFAULT].sync()
+        with refit.Syncer(trainer, rollout, refit_paths(bucket_bytes)[RAY]) as capturing:
+            capturing.sync()
         run_in(rollout, instruments.capture_loads_stop)
         shm = Path(tempfile.mkdtemp(prefix="refit-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         try:
@@ -228,7 +234,7 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
             shutil.rmtree(shm, ignore_errors=True)
         largest = max(sum(t.wire_bytes(plan.quantize_on) for t in bucket) for bucket in plan.buckets)
         return SizeResult(layers, hidden, plan.source_bytes, plan.wire_bytes,
-                          len(plan.buckets), results, largest, detail, memory)
+                          len(plan.buckets), results, largest, detail, memory, run_in(trainer, instruments.shared_file_bytes))
     finally:
         for actor in (trainer, rollout, beside):
             if actor is not None:
@@ -246,7 +252,7 @@ def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> tuple[dict[str,
     memory = {side: run_in(actor, instruments.memory_stop) for side, actor in sides.items()}
     detail = {side: run_in(actor, instruments.stages_stop) for side, actor in sides.items()}
     if report.trainer_seconds is not None:  # what the clocks do not cover: copies of unquantized tensors, buffers
-        detail["trainer"]["other"] = report.trainer_seconds - sum(detail["trainer"].values())
+        detail["trainer"]["other"] = report.trainer_seconds - sum(v for k, v in detail["trainer"].items() if k != instruments.SHM_COPY)
     return detail, memory
 
 
@@ -295,7 +301,8 @@ def table(size: SizeResult) -> str:
     lines.append(f"  round trip / default sync: {round_trip / default:.2f}x"
                  + (f" (target: at least {target}x)" if target else " (no target at this size)"))
     # verify="off" keeps no delta base (no tags name a version): "no delta base" isolates the tags' and checks' cost.
-    for verified, off in ((DEFAULT, "refit ray, verify off"), ("refit ray, verified, no delta base", "refit ray, verify off"),
+    for verified, off in ((DEFAULT, "refit shm, verify off"), (RAY, "refit ray, verify off"),
+                          ("refit ray, verified, no delta base", "refit ray, verify off"),
                           ("refit collective, verified", "refit collective, verify off")):
         if verified in size.paths and off in size.paths:
             cost = 1 - size.paths[off].median / size.paths[verified].median
@@ -306,6 +313,9 @@ def table(size: SizeResult) -> str:
     lines.append("  peak extra private memory over a default sync: " + ", ".join(
         f"{side} {extra / 2**20:.0f} MiB ({extra / bucket:.2f} x its largest bucket of {bucket / 2**20:.0f} MiB)"
         for side, extra in size.peak_extra_bytes.items()) + "; in-flight buckets in Ray's object store not included")
+    if size.shared_file_bytes:
+        lines.append(f"  the trainer's shared memory files (shm), kept between syncs: {size.shared_file_bytes / 2**20:.0f} MiB "
+                     f"({size.shared_file_bytes / bucket:.2f} x its largest bucket)")
     return "\n".join(lines)
 
 

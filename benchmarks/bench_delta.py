@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     _docs_table.add_write_docs_argument(parser, "bench_delta")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    config = refit.SyncConfig(bucket_bytes=int(args.bucket_mib * 2**20))
+    # Over `ray`: deltas are for a wire between hosts; on one host `transport="auto"` maps shared memory, whole.
+    config = refit.SyncConfig(transport="ray", bucket_bytes=int(args.bucket_mib * 2**20))
     results = {}
     printed: list[str] = []  # what the docs block holds
     with tempfile.TemporaryDirectory() as scratch, cluster():

@@ -3,8 +3,10 @@
 The tiny Qwen3 fixture (bf16 trainer on node 0; its FP8_BLOCK checkpoint
 dummy-loaded, FP8 KV cache, in two rollouts on nodes 1 and 2), synced with
 the default `SyncConfig` `--syncs` times, the trainer taking a small AdamW
-step before each (untimed), so each sync after the first is a delta of a
-real update. At this size the bytes are nothing; what is left is the
+step before each (untimed). The three Ray nodes are one host, so the
+default maps shared memory (`shm`) and sends whole buckets; over `ray`
+(`--transport ray`, as between hosts) each sync after the first is a delta
+of a real update. At this size the bytes are nothing; what is left is the
 remote rounds between driver, trainer and replicas, Ray's streaming
 generator, and vLLM's layerwise reload. Prints the medians of the total and
 of each stage (issue 49's target: at most 25 ms). Run with
@@ -30,6 +32,7 @@ TARGET_S = 0.025
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--syncs", type=int, default=20)
+    parser.add_argument("--transport", default="auto", help="SyncConfig.transport (default: auto, the default config)")
     _docs_table.add_write_docs_argument(parser, "bench_latency")
     args = parser.parse_args(argv)
     engine = refit.EngineConfig(model=str(model_dir(False, "fp8_block")), load_format="dummy", kv_cache_dtype="fp8_e4m3",
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                                       lr=1e-5)
         rollouts = [RolloutActor.options(num_cpus=0, resources={f"node{n}": 0.01}).remote(engine) for n in (1, 2)]
         try:
-            syncer = refit.Syncer(trainer, rollouts)
+            syncer = refit.Syncer(trainer, rollouts, refit.SyncConfig(transport=args.transport))
             syncer.sync()  # warm-up: plan, first-touch allocations, the first delta bases
             reports = []
             for step in range(args.syncs):
@@ -63,7 +66,7 @@ def table(reports: list[refit.SyncReport]) -> str:
 
     modes = sorted({r.mode for report in reports for r in report.replicas})
     lines = [f"tiny Qwen3 fixture, {reports[0].bytes_on_wire / 2**20:.2f} MiB full, to 2 replicas, {len(reports)} syncs "
-             f"({'/'.join(modes)}); medians:",
+             f"({reports[0].transport}, {'/'.join(modes)}); medians:",
              f"  total                {median_ms([r.total_seconds for r in reports])}   (target {TARGET_S * 1e3:.0f} ms)",
              f"  begin                {median_ms([r.begin_seconds for r in reports])}",
              f"  stream               {median_ms([r.stream_seconds for r in reports])}",

@@ -173,6 +173,12 @@ class FullWeightSource(WeightSource, Protocol):
         ...
 
     @optional()
+    def transport_host(self) -> str:
+        """Who can map this process's memory files (`refit.transport.shm.host_identity`); `transport="shm"` needs it,
+        and `"auto"` picks `shm` where every member answers the same."""
+        ...
+
+    @optional()
     def reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per prompt, the logprob of each token after the first: the reference `verify="probe"` compares with."""
         ...
@@ -287,9 +293,10 @@ class FullRolloutReplica(RolloutReplica, Protocol):
 
     @optional("observe")
     def transports(self) -> dict:
-        """What `SyncConfig(transport="auto")` picks by: `{"accepts": [transport names], "device": "cpu" | "cuda" | ...}`,
-        the transports this replica's engine can take and where its workers run. Without this method a replica is taken
-        to accept `ray`, and `collective` if it has the group methods."""
+        """What `SyncConfig(transport="auto")` picks by: `{"accepts": [transport names], "device": "cpu" | "cuda" | ...,
+        "host": str}`, the transports this replica's engine can take, where its workers run, and the host they run on
+        (`refit.transport.shm.host_identity`; empty or absent: unknown, so no `shm`). Without this method a replica is
+        taken to accept `ray`, and `collective` if it has the group methods."""
         ...
 
     @optional("observe")

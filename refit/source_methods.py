@@ -26,6 +26,7 @@ from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.sender import TransportSender
+from refit.transport.shm import host_identity
 
 __all__ = ["TrainerWeights", "delegate_to_weights"]
 
@@ -69,6 +70,9 @@ class TrainerWeights:
 
     def transport_group(self) -> str | None:
         return self.sender.group_id()
+
+    def transport_host(self) -> str:
+        return host_identity()
 
     def adapter_meta(self) -> AdapterMeta:
         return self.adapter_weights().meta()

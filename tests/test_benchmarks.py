@@ -105,9 +105,11 @@ def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_c
     assert all(p["median"] > 0 for p in size["paths"].values())
     assert size["fp8_wire_bytes"] < size["bf16_bytes"]  # FP8 codes and scales: about half of bf16
     assert {"stream", "load"} <= set(size["paths"][DEFAULT]["stages"])
-    assert {"preflight", "quantize", "integrity tag"} <= set(size["stage_detail"]["trainer"])
-    assert {"fetch", "verify", "load"} <= set(size["stage_detail"]["rollout"])
+    # The default here is shm: the trainer copies into its files, the workers map, verify and load in the receive.
+    assert {"preflight", "quantize", "integrity tag", "copy into shm file"} <= set(size["stage_detail"]["trainer"])
+    assert {"map", "verify", "receive (shm: map, verify, load)"} <= set(size["stage_detail"]["rollout"])
     assert set(size["peak_extra_bytes"]) == {"trainer", "rollout"} and "peak extra private memory" in out
+    assert size["shared_file_bytes"] > 0 and "the trainer's shared memory files (shm), kept between syncs" in out
     # The floor: each side alone, and the default sync against the slower one and against the round trip.
     assert re.search(r"floor: max\(rollout load alone [\d.]+ s, trainer production alone [\d.]+ s\) = [\d.]+ s; "
                      r"default sync / floor [\d.]+x", out), out
@@ -136,7 +138,8 @@ def test_the_delta_benchmark_measures_delta_and_full_syncs_of_one_state_and_writ
 def test_the_latency_benchmark_syncs_the_fixture_to_two_replicas_and_prints_each_stages_median(ray_cluster):
     committed = _docs_table.PAGE.read_text()
     out = run_python(["-m", "benchmarks.bench_latency", "--syncs", "2"], ray_address=ray_cluster.address)
-    assert re.search(r"tiny Qwen3 fixture, 1\.63 MiB full, to 2 replicas, 2 syncs \(delta\); medians:", out), out
+    # The default on one host: shared memory, whole buckets (deltas are for a wire: `--transport ray`).
+    assert re.search(r"tiny Qwen3 fixture, 1\.63 MiB full, to 2 replicas, 2 syncs \(shm, full\); medians:", out), out
     for stage in ("total", "begin", "stream", "finish", "report and the rest"):
         assert re.search(rf"^  {stage} +[\d.]+ ms", out, re.MULTILINE), out
     assert _docs_table.PAGE.read_text() == committed

@@ -49,6 +49,7 @@ from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import Rendezvous
 from refit.transport.delta import ReplicaBase
 from refit.transport.kinds import AUTO_CANDIDATES, TransportKind, transport_kind
+from refit.transport.shm import host_identity
 from refit.verification import ProbeRequest, refuse_partial
 from refit.verification.probe import ProbeResult, compare, probe_prompts, thresholds_for
 
@@ -176,9 +177,10 @@ class ReplicaCore:
         return self.facts.workers
 
     def transports(self) -> dict:
-        """The transports `transport="auto"` may pick that this replica's engine takes, and where its workers run."""
+        """The transports `transport="auto"` may pick that this replica's engine takes, where its workers run, and the
+        host (its local workers' too)."""
         accepts = [name for name in AUTO_CANDIDATES if self.engine.transport_refusal(transport_kind(name)) is None]
-        return {"accepts": accepts, "device": self.facts.device}
+        return {"accepts": accepts, "device": self.facts.device, "host": host_identity()}
 
     def transport_group(self) -> str | None:
         """The collective group this replica's workers are in, if any."""

@@ -56,13 +56,13 @@ try:
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.platforms import current_platform
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
 from refit.plan.data_path import loadable_tensors
-from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan, layer_key
+from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan
 from refit.provenance import (
-    ATTENTION_SCALES,
     AttentionAmaxRecorder,
     ScaleProvenanceTracker,
     checkpoint_tensor_names,
@@ -223,7 +223,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             receiver.group.close()
 
     def expect_plan(self, plan: TransferPlan, transport: str, *, keep_base: bool = False) -> None:
-        """This update's bytes come over `transport` ("collective" or "ipc"), in buckets of `plan`.
+        """This update's bytes come over `transport` ("collective", "ipc" or "shm"), in buckets of `plan`.
 
         Called right after `start_weight_update`; the sync joins (or
         re-joins) its collective group after this. `keep_base`: keep what
@@ -254,7 +254,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
                 f"{self._update_version}; finish or abandon that update first"
             )
         self._update_version = update_info.version
-        tensors = update_info.tensors if update_info.contents is None else self._arrived(update_info)
+        parts = None if update_info.contents is None else [BucketContents.from_plain(p) for p in update_info.contents]
+        tensors, spans = (update_info.tensors, []) if parts is None else self._arrived(parts, update_info)
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
         self._streamed |= {name for name, _ in tensors}  # before loading: a load that fails half-way changed the model
         target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX)]
@@ -265,27 +266,28 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             self._loaded |= set(self.model.load_weights(target))
         if draft:
             self.draft.load(draft)
+        if parts is not None:
+            copy_out_held(spans)
+            self._kind.loaded(parts)  # bytes another writer changed while they loaded or were copied out (shm): refused
         self._verify = update_info.verify
         if update_info.verify:  # scales are 1/16384 of their weights: cheap to keep until finish
             self._sent_scales |= {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")}
 
-    def _arrived(self, update_info: RefitUpdateInfo) -> list[tuple[str, torch.Tensor]]:
-        """The bucket whose contents the update names, received over the transport, as loadable tensors."""
+    def _arrived(self, parts: list[BucketContents], update_info: RefitUpdateInfo) -> tuple[list[tuple[str, torch.Tensor]],
+                                                                                            list[tuple[int, int]]]:
+        """The bucket whose contents (one part per sending rank) the update names, received over the transport, as
+        loadable tensors, and the address spans of the buffers they view (which the transport reuses)."""
         if self._plan is None:
             raise LifecycleError("a bucket's contents arrived, but this update was not told its plan (expect_plan)")
-        parts = [BucketContents.from_plain(plain) for plain in update_info.contents]  # one per sending rank
         kind = self._kind
         if any(part.ipc_handle is not None for part in parts) and not kind.traits.opens_ipc_handles:
             # A handle is unpickled to open it: only where this update expects one.
             raise LifecycleError(f"a bucket arrived with CUDA IPC handles during a {kind.name} update; refused")
+        if any(part.shm is not None for part in parts) and not kind.traits.maps_shared_memory:
+            raise LifecycleError(f"a bucket arrived naming shared memory during a {kind.name} update; refused")
         bucket = kind.receive(parts, self._receivers, list(update_info.next_bucket_bytes), self.device)
         tensors = loadable_tensors(self._plan, bucket, verify=update_info.verify, base=self.base if self._keep_base else None)
-        # The reload holds on to tensors of a layer it has not completed (and to
-        # attention scales until finish), but this buffer takes the bucket after
-        # next: copy those out of it.
-        later = self._plan.layers_after(parts[0].index)
-        return [(name, tensor.clone() if layer_key(name) in later or name.rpartition(".")[2] in ATTENTION_SCALES else tensor)
-                for name, tensor in tensors]
+        return tensors, [_span(part.buffer) for part in bucket]
 
     def streamed(self) -> list[str]:
         """Checkpoint names of every tensor this update loaded so far."""
@@ -352,6 +354,30 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
 
 def _nothing() -> None:
     pass
+
+
+def copy_out_held(spans: list[tuple[int, int]]) -> int:
+    """Copy every tensor vLLM's layerwise reload still holds that views one of `spans` (address ranges of a received
+    bucket's buffers, which the transport writes the next buckets into); returns how many were copied.
+
+    Why after the load, and for any layer: the reload buffers what it is given until a layer has all its elements,
+    and some never do before `finalize` (attention scales; a vocabulary the engine pads beyond the checkpoint's
+    rows), so which tensors outlive their bucket is known only once `load_weights` returned.
+    """
+    copied = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and any(start <= value.data_ptr() < end for start, end in spans):
+                    bound.arguments[key] = value.clone()
+                    copied += 1
+    return copied
+
+
+def _span(buffer: Any) -> tuple[int, int]:
+    """The address range of a bucket's buffer (a host array or a tensor)."""
+    start = buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer.ctypes.data
+    return start, start + buffer.nbytes
 
 
 def _expected_weights(model: torch.nn.Module) -> frozenset[str]:

@@ -314,11 +314,12 @@ def _parse_call(payload: Any) -> tuple[str, list]:
                                            and "contents" in args[0]):
         raise ConfigError("update_weights through a server's /collective_rpc takes a bucket's `contents` only "
                           "(its bytes arrive over the collective group); tensors never cross HTTP")
-    if method == "update_weights" and any(not isinstance(part, list) or len(part) != 4 or part[3] is not None
+    if method == "update_weights" and any(not isinstance(part, list) or len(part) != 5 or part[3:] != [None, None]
                                           for part in args[0]["contents"] or [None]):
-        # A part's fourth field is a CUDA IPC handle, which a worker unpickles: never from the network.
-        raise ConfigError("update_weights through a server's /collective_rpc takes contents without IPC handles "
-                          "(a vllm serve replica refuses the ipc transport)")
+        # A part's fourth field is a CUDA IPC handle, which a worker unpickles, and its fifth a memory file of the
+        # trainer's, which a worker opens: never from the network.
+        raise ConfigError("update_weights through a server's /collective_rpc takes contents without IPC handles or "
+                          "shared-memory files (a vllm serve replica refuses the ipc and shm transports)")
     return method, args
 
 

@@ -54,7 +54,7 @@ class SyncReport:
     attempts: int = 1  # more than one: the survivors began again (a replica lost mid-broadcast, or a delta base that failed)
     digest: str | None = None  # of the version the trainer sent (its entries' keyed integrity tags, combined), with delta syncs on
     gathered_bytes: int | None = None  # what a sharded trainer's ranks all-gathered to send what they could not send as held
-    transport: str = ""  # the road the bytes took ("ray", "collective", "ipc")
+    transport: str = ""  # the road the bytes took ("ray", "collective", "ipc", "shm")
     transport_reason: str = ""  # why: picked by transport="auto" for this fleet, or set by SyncConfig.transport
 
     def to_dict(self) -> dict:

@@ -2,8 +2,9 @@
 
 Why asked, not guessed: whether a replica can take `ray` depends on where its
 engine core runs (in its actor's process, or in a process of its own as in
-AsyncLLM and `vllm serve`), which only the replica knows (`transports()`,
-which also says where its workers run, for the report). The rule itself is
+AsyncLLM and `vllm serve`), and whether trainer and replicas share a host,
+which only they know (`transports()`, which also says where the workers
+run, for the report; the trainer's `transport_host()`). The rule itself is
 `refit.transport.kinds.choose_transport`, beside the transports it names.
 """
 
@@ -12,29 +13,38 @@ from __future__ import annotations
 from typing import Any
 
 from refit.errors import ConfigError
-from refit.orchestration.calls import call_all
+from refit.orchestration.calls import call_groups
 from refit.plan.config import SyncConfig
-from refit.protocols import has_method
+from refit.protocols import accepts, has_method
 from refit.transport.kinds import AUTO_CANDIDATES, choose_transport, transport_kind
 
 __all__ = ["pick_transport"]
 
 
 def pick_transport(sources: list[tuple[str, Any]], members: list[tuple[str, Any]], config: SyncConfig) -> tuple[str, str]:
-    """The transport for `members` and the trainer's ranks `sources`, and why (one round of `transports()` calls)."""
+    """The transport for `members` and the trainer's ranks `sources`, and why (one round: the replicas'
+    `transports()`, the ranks' `transport_host()`)."""
     askable = [(who, r) for who, r in members if has_method(r, "transports")]
+    hosted = [(who, s) for who, s in sources if has_method(s, "transport_host")]
     # One that does not answer (dead, hung) is judged by its methods here; the sync's begin then drops it.
-    answers = {o.who: o.value for o in call_all(askable, "transports", timeout_s=config.timeout_s) if o.ok}
+    replies, hosts = call_groups([(askable, "transports", ()), (hosted, "transport_host", ())], timeout_s=config.timeout_s)
+    answers = {o.who: o.value for o in replies if o.ok}
     offers = {}
     for who, replica in members:
         can = _by_methods(replica, "replica_methods")
         answer = answers.get(who) or {"accepts": can, "device": ""}
         if not (isinstance(answer, dict) and isinstance(answer.get("accepts"), (list, tuple))
-                and all(isinstance(name, str) for name in answer["accepts"]) and isinstance(answer.get("device"), str)):
+                and all(isinstance(name, str) for name in answer["accepts"]) and isinstance(answer.get("device"), str)
+                and isinstance(answer.get("host", ""), str)):
             raise ConfigError(f"{who}: transports() answered {answer!r}; expected {{'accepts': [transport names], "
-                              "'device': 'cpu' | 'cuda' | ...}")
-        offers[who] = {"accepts": [name for name in answer["accepts"] if name in can], "device": answer["device"]}
-    senders = {who: _by_methods(source, "sender_methods") for who, source in sources}
+                              "'device': 'cpu' | 'cuda' | ..., 'host': str}")
+        offers[who] = {"accepts": [name for name in answer["accepts"] if name in can], "device": answer["device"],
+                       "host": answer.get("host", "")}
+    host_of = {o.who: o.value for o in hosts if o.ok and isinstance(o.value, str)}
+    # A source's `stream_buckets(plan)` without a `transport` argument sends the object store's way only.
+    senders = {who: {"sends": [name for name in _by_methods(source, "sender_methods")
+                               if name == "ray" or accepts(source, "stream_buckets", "transport")],
+                     "host": host_of.get(who, "")} for who, source in sources}
     return choose_transport(senders, offers)
 
 

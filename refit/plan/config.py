@@ -15,7 +15,7 @@ from typing import Any
 from refit.errors import ConfigError, InvalidTensorError
 from refit.provenance.kv_stage import KvScalePolicy
 from refit.tokens import token_prompts
-from refit.transport.kinds import AUTO_CANDIDATES, TransportKind, transport_kind
+from refit.transport.kinds import TransportKind, transport_kind
 
 __all__ = ["Delta", "Draft", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
@@ -42,6 +42,7 @@ class Transport(StrEnum):
     RAY = "ray"  # Ray's object store; needs the engine core in the rollout actor's process
     COLLECTIVE = "collective"  # one broadcast group of trainer and workers (gloo on CPU, NCCL on GPU)
     IPC = "ipc"  # CUDA IPC handles: a trainer and rollout on the same GPU
+    SHM = "shm"  # memory files of the trainer's, mapped by the workers: trainer and rollouts on one host
 
 
 class Pause(StrEnum):
@@ -99,7 +100,8 @@ class SyncConfig:
 
     transport: Transport = Transport.AUTO
     """`"auto"` (default: the Syncer asks every member what it can take and picks, before its first sync
-    and after the fleet changes; `SyncReport.transport` says which and why), `"ray"` (the object store;
+    and after the fleet changes; `SyncReport.transport` says which and why), `"shm"` (memory files the
+    workers map: trainer and every replica on one host; no deltas), `"ray"` (the object store;
     the engine core must run in the rollout actor's process), `"collective"` (a broadcast group straight
     into the workers; any engine process layout), or `"ipc"` (CUDA only, trainer and rollout on one GPU).
     One per Syncer: a sequence naming several is refused."""
@@ -164,14 +166,14 @@ class SyncConfig:
         """Whether senders and replicas keep the last version's bytes, so the next sync may be a delta.
 
         Not for bf16 on the wire (`quantize_on="rollout"`): that base would
-        be a second bf16 copy of the model on each side. Not over `ipc`,
-        where trainer and rollout share one GPU and there is no wire to save.
-        Not with `verify="off"`: a version is named by its bytes' keyed tags,
-        which such a sync does not make.
+        be a second bf16 copy of the model on each side. Not over `ipc` or
+        `shm`, where trainer and rollout share a GPU or a host and there is
+        no wire to save. Not with `verify="off"`: a version is named by its
+        bytes' keyed tags, which such a sync does not make. Under `"auto"`,
+        whether the picked transport keeps one (True until a Syncer picks).
         """
-        kinds = [transport_kind(name) for name in AUTO_CANDIDATES] if self.transport is Transport.AUTO else [self.transport_kind]
-        return (self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER and self.verify is not Verify.OFF
-                and all(kind.traits.delta_base_in is not None for kind in kinds))
+        keeps = self.transport is Transport.AUTO or self.transport_kind.traits.delta_base_in is not None
+        return self.delta is Delta.AUTO and self.quantize_on is QuantizeOn.TRAINER and self.verify is not Verify.OFF and keeps
 
     @property
     def transport_kind(self) -> TransportKind:

@@ -187,20 +187,6 @@ class TransferPlan:
         """Bytes each replica fetches per sync."""
         return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)
 
-    def layers_after(self, index: int) -> set[str]:
-        """The layers (`layer_key`) of bucket `index` that still receive tensors after it.
-
-        vLLM's layerwise reload keeps references to what it was given until
-        a layer is complete, so a receiver that reuses its buffers copies the
-        tensors of these layers before the next bucket lands on them. Plan
-        order keeps a layer's tensors together, so a layer that continues
-        does so in the next bucket.
-        """
-        if index + 1 >= len(self.buckets):
-            return set()
-        mine = {layer_key(t.target) for t in self.buckets[index]}
-        return mine & {layer_key(t.target) for t in self.buckets[index + 1]}
-
 
 def layer_key(name: str) -> str:
     """The decoder layer a name belongs to (`model.layers.3`, the prefix up to its outermost index), else the name."""

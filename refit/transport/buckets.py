@@ -60,22 +60,26 @@ class BucketContents:
 
     The collective transport broadcasts the bytes into the workers' buffers;
     the ipc transport leaves them in the trainer's GPU memory and sends a
-    CUDA IPC handle (`ipc_handle`, pickled) to open them with.
+    CUDA IPC handle (`ipc_handle`, pickled) to open them with; the shm
+    transport leaves them in a memory file of the trainer's and sends its
+    place (`shm`, a `refit.transport.shm.SegmentRef` as plain values).
     """
 
     index: int
     tensors: tuple[WireTensor, ...]
     nbytes: int
     ipc_handle: bytes | None = None
+    shm: tuple[int, int, str, int] | None = None
 
     def to_plain(self) -> tuple:
         """Plain data for vLLM's RPC (msgpack carries no refit classes)."""
-        return (self.index, [dataclasses.astuple(t) for t in self.tensors], self.nbytes, self.ipc_handle)
+        return (self.index, [dataclasses.astuple(t) for t in self.tensors], self.nbytes, self.ipc_handle, self.shm)
 
     @classmethod
     def from_plain(cls, plain: tuple | list) -> BucketContents:
-        index, tensors, nbytes, ipc_handle = plain
-        return cls(index, tuple(WireTensor(n, d, tuple(s), *rest) for n, d, s, *rest in tensors), nbytes, ipc_handle)
+        index, tensors, nbytes, ipc_handle, shm = plain
+        return cls(index, tuple(WireTensor(n, d, tuple(s), *rest) for n, d, s, *rest in tensors), nbytes, ipc_handle,
+                   None if shm is None else tuple(shm))
 
     def with_bytes(self, buffer: np.ndarray | torch.Tensor) -> WireBucket:
         """The whole bucket, once its bytes have arrived in `buffer` (a host array or a uint8 tensor on any device)."""
@@ -98,8 +102,8 @@ class WireBucket:
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)
 
-    def contents(self, *, ipc_handle: bytes | None = None) -> BucketContents:
-        return BucketContents(self.index, self.tensors, self.nbytes, ipc_handle)
+    def contents(self, *, ipc_handle: bytes | None = None, shm: tuple[int, int, str, int] | None = None) -> BucketContents:
+        return BucketContents(self.index, self.tensors, self.nbytes, ipc_handle, shm)
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """Views into the buffer (no copy); the engine's loaders copy them into place."""

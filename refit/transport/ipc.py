@@ -9,8 +9,8 @@ the handle (a few hundred bytes) crosses Ray and vLLM's RPC.
 CUDA only: `require_cuda` refuses it everywhere else, naming who lacks CUDA.
 The handle records the GPU's UUID, so a worker on another GPU is refused
 rather than handed another device's memory. The trainer keeps each bucket's
-memory alive for `keep` buckets; a worker copies what it must hold longer
-(see `TransferPlan.layers_after`).
+memory alive for `keep` buckets; a worker copies out what vLLM's reload
+holds longer (`refit.engine.transfer_backend.copy_out_held`).
 """
 
 from __future__ import annotations

@@ -125,13 +125,18 @@ def test_update_weights_over_http_takes_contents_never_tensors(payload):
     assert "takes a bucket's `contents` only" in str(error) and "tensors never cross HTTP" in str(error)
 
 
-def test_update_weights_over_http_refuses_contents_with_an_ipc_handle():
-    """A CUDA IPC handle is unpickled by the worker that opens it: over HTTP it would be code from the network."""
-    handle = base64.b64encode(pickle.dumps("anything")).decode("ascii")
+@pytest.mark.parametrize("part", [
+    [0, [], 0, base64.b64encode(pickle.dumps("anything")).decode("ascii"), None],  # a CUDA IPC handle
+    [0, [], 0, None, [1, 3, "0" * 32, 1]],  # a memory file of some process's
+    [0, [], 0, base64.b64encode(pickle.dumps("anything")).decode("ascii")],  # the old form, its handle fourth
+], ids=["ipc-handle", "shm-file", "four-fields"])
+def test_update_weights_over_http_refuses_contents_naming_ipc_handles_or_memory_files(part):
+    """A CUDA IPC handle is unpickled by the worker that opens it, and a memory file read by the worker that maps it:
+    over HTTP either would be the network's choice."""
     payload = json.dumps({"method": "update_weights", "args": [
-        {"version": 1, "contents": [[0, [], 0, handle]], "next_bucket_bytes": [None], "verify": True}]})
+        {"version": 1, "contents": [part], "next_bucket_bytes": [None], "verify": True}]})
     ok, error = decode_reply(_Worker().refit_call(payload))
-    assert not ok and type(error) is ConfigError and "contents without IPC handles" in str(error)
+    assert not ok and type(error) is ConfigError and "contents without IPC handles or shared-memory files" in str(error)
 
 
 def test_a_pickled_payload_is_refused_and_never_unpickled(tmp_path):

@@ -159,17 +159,6 @@ def test_bf16_where_the_rollout_expects_fp8_is_refused():
         make_plan(describe_weights(trainer_model(False)), as_bf16, config(1 << 20))
 
 
-def test_layers_after_names_exactly_the_layers_that_straddle_a_bucket_boundary():
-    """A receiver that reuses its buffers copies these tensors out (vLLM holds them until the layer is complete)."""
-    from refit.plan.transfer_plan import layer_key
-
-    plan = make_plan(describe_weights(trainer_model(False)), rollout_model(False, True), config(64 << 10))
-    assert len(plan.buckets) > 4 and any(plan.layers_after(i) for i in range(len(plan.buckets)))
-    for index, bucket in enumerate(plan.buckets):
-        later = {layer_key(t.target) for b in plan.buckets[index + 1 :] for t in b}
-        assert plan.layers_after(index) == {layer_key(t.target) for t in bucket} & later
-
-
 @pytest.mark.parametrize("quantize_on", ["trainer", "rollout"])
 def test_buckets_written_in_place_equal_the_quantizers_tensors_packed(quantize_on):
     """produce_buckets quantizes straight into each bucket's buffer: the same bytes, table and integrity tags as

@@ -21,7 +21,8 @@ from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model
 from tests.support.actors import alter_delta_base, buckets_loaded, hold_update_lock, run_in, set_parameter
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=17)
-SMALL = refit.SyncConfig(bucket_bytes=256 << 10, timeout_s=60)  # several buckets, so "both" mode interleaves
+# Over `ray`: on one host `transport="auto"` maps shared memory, which sends no deltas (it has no wire to save).
+SMALL = refit.SyncConfig(transport="ray", bucket_bytes=256 << 10, timeout_s=60)  # several buckets: "both" interleaves
 
 
 def serve(replica):
@@ -116,7 +117,7 @@ def test_every_base_that_is_not_the_senders_gets_a_full_sync(trainer, shared_rep
     other = actors_factory.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=4)
     assert refit.sync(other, first, SMALL).replicas[0].mode == "full"
     # bf16 on the wire keeps no base on either side.
-    config = refit.SyncConfig(bucket_bytes=256 << 10, quantize_on="rollout")
+    config = refit.SyncConfig(transport="ray", bucket_bytes=256 << 10, quantize_on="rollout")
     assert [refit.sync(other, first, config).replicas[0].mode for _ in range(2)] == ["full", "full"]
     assert ray.get(first.base_digest.remote("ray")) is None
 
@@ -141,7 +142,7 @@ def test_a_delta_sync_interrupted_mid_stream_leaves_no_base_that_could_mix_versi
     """The driver stops once a replica has patched part of its base: that base holds no version any more, so the next
     sync sends whole buckets, and the one after it a delta again, serving what a full sync serves."""
     first, second = shared_replicas
-    syncer = refit.Syncer(trainer, [first, second], refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=60))
+    syncer = refit.Syncer(trainer, [first, second], refit.SyncConfig(transport="ray", bucket_bytes=64 << 10, timeout_s=60))
     syncer.sync()
     step(trainer, 40)
     seen: list[int] = []

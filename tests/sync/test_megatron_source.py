@@ -24,7 +24,7 @@ from tests.support.actors import change_megatron, change_trainer, engine_state, 
 from tests.support.checkpoints import write_variant
 
 FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
-CONFIG = refit.SyncConfig(bucket_bytes=256 << 10)
+CONFIG = refit.SyncConfig(transport="ray", bucket_bytes=256 << 10)  # deltas, as between hosts (shm sends whole buckets)
 
 
 def served(replica, prompts):

@@ -205,7 +205,8 @@ def test_moe_group_sends_each_expert_from_the_rank_that_holds_it(actors_factory,
     fresh = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=1, kv_cache_dtype="fp8_e4m3")
     expected = serve(fresh)
     replica = actors_factory.rollout(model_dir(variant="fp8_block", **moe), node=2, **FP8_DUMMY)
-    full = refit.sync(group, replica)
+    ray_config = refit.SyncConfig(transport="ray")  # deltas, as between hosts (on one host auto maps memory, whole)
+    full = refit.sync(group, replica, ray_config)
     got = serve(replica)
     assert got.token_ids == expected.token_ids
     assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
@@ -215,11 +216,11 @@ def test_moe_group_sends_each_expert_from_the_rank_that_holds_it(actors_factory,
 
     # A step at an RL learning rate, then a delta: each rank diffs the rows it sent last (its own experts).
     group.train_step(make_sequences(8, 16, seed=1).tolist())
-    report = refit.sync(group, replica)
+    report = refit.sync(group, replica, ray_config)
     (delta,) = report.replicas
     assert delta.mode == "delta" and delta.digest == report.digest
     assert delta.bytes_received < 0.3 * full.replicas[0].bytes_received, (delta.bytes_received, full.replicas[0].bytes_received)
     by_delta = serve(replica)
-    assert refit.sync(group, replica, refit.SyncConfig(delta="off")).replicas[0].mode == "full"
+    assert refit.sync(group, replica, refit.SyncConfig(transport="ray", delta="off")).replicas[0].mode == "full"
     by_full = serve(replica)
     assert (by_delta.token_ids, by_delta.logprobs) == (by_full.token_ids, by_full.logprobs)

@@ -49,8 +49,9 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
     report = refit.sync(trainer, rollout)
 
     assert report.version == 1 and report.replicas[0].served_version == 1
-    # transport="auto" (the default): a CPU replica whose engine core is in its process takes the object store.
-    assert (report.transport, report.transport_reason) == ("ray", "every member can take it (the replicas' workers are on cpu)")
+    # transport="auto" (the default): the trainer and a replica on one host (two Ray nodes of this machine) map memory.
+    assert (report.transport, report.transport_reason) == ("shm", "every member runs on one host and can take it "
+                                                           "(the replicas' workers are on cpu)")
     out = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, prompt_logprobs=True))
     assert_greedy_under_the_trainer(trainer, report.version, out.token_ids)
     reference = run_in(trainer, prompt_logprobs, PROMPTS)

@@ -1,15 +1,15 @@
 """Attacks on the data plane, on real Ray and vLLM: refused by name, before a byte is loaded, over every transport.
 
-A sync's bytes cross the object store or a collective group's sockets,
-which anyone on the network may reach; its key travels inside the plan over
+A sync's bytes cross the object store, a collective group's sockets or a
+memory file of the trainer's, which others may reach; its key travels inside the plan over
 Ray. So: bytes altered in transit (their tag recomputed with the attacker's
 own key, as a CRC would be, or dropped) are refused; a bucket a broken
 source tagged with the sync's own key is still refused when it breaks the
 plan (a scale that is zero, negative or NaN, a wrong dtype, an unplanned
 name); a stranger who writes a group's keys in its rendezvous store cannot
 break the sync. Every refusal happens at the first bucket, so the replicas
-keep serving their version, and the next honest sync heals them. (CUDA IPC,
-the third transport, needs a GPU: scripts/gpu_check.sh.)
+keep serving their version, and the next honest sync heals them. (CUDA IPC
+needs a GPU: scripts/gpu_check.sh.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from tests.support.serving import assert_serves, status
 # Whole buckets: an altered delta is refused as well, as a base that does not rebuild the sender's bytes, and the
 # Syncer then begins again with whole buckets (tests/sync/test_delta.py), which this one-shot tampering would pass.
 CONFIGS = {
-    "ray": refit.SyncConfig(timeout_s=60, delta="off"),
+    "shm": refit.SyncConfig(transport="shm", bucket_bytes=256 << 10, timeout_s=60),
+    "ray": refit.SyncConfig(transport="ray", timeout_s=60, delta="off"),
     "collective": refit.SyncConfig(transport="collective", bucket_bytes=256 << 10, timeout_s=60, delta="off"),
 }
 
@@ -57,7 +58,7 @@ def refused_keeping_the_version(syncer, trainer, replicas, how: str, match: str)
     assert [s.served_version for s in after] == before
 
 
-@pytest.mark.parametrize("transport", ["ray", "collective"])
+@pytest.mark.parametrize("transport", ["shm", "ray", "collective"])
 def test_bytes_altered_in_transit_are_refused_and_the_next_honest_sync_heals(trainer, replicas, transport):
     syncer = refit.Syncer(trainer, replicas, CONFIGS[transport])
     try:

@@ -49,10 +49,11 @@ def replicas(module_actors):
         "async_llm": _user(UserAsyncLLMRollout, 2, model, module_actors),
     }
     before = {kind: ray.get(replica.status.remote()) for kind, replica in kinds.items()}
-    # transport="auto" (the default): the AsyncLLM's core is in its own process, so the fleet broadcasts.
+    # transport="auto" (the default): every member on one host, so the AsyncLLM's workers, in the process of its core,
+    # map the trainer's memory too.
     with refit.Syncer(trainer, list(kinds.values())) as syncer:
         report = syncer.sync()
-    assert report.transport == "collective" and report.transport_reason.startswith("rollout 2 cannot take 'ray'")
+    assert report.transport == "shm" and report.transport_reason.startswith("every member runs on one host")
     return trainer, kinds, before
 
 

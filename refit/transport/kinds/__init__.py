@@ -8,7 +8,7 @@ to `refit.plan.config.Transport`, the public enum of the accepted strings
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from refit.errors import ConfigError, TransportError
@@ -16,11 +16,13 @@ from refit.transport.kinds.collective import CollectiveTransport
 from refit.transport.kinds.ipc import CudaIpcTransport
 from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportKind, TransportTraits
 from refit.transport.kinds.ray import RayTransport
+from refit.transport.kinds.shm import SharedMemoryTransport
 
 __all__ = ["AUTO_CANDIDATES", "TRANSPORTS", "BucketSink", "StreamHandle", "TransportKind", "TransportTraits",
            "choose_transport", "kind_of_handle", "transport_kind"]
 
-TRANSPORTS: dict[str, TransportKind] = {kind.name: kind for kind in (RayTransport(), CollectiveTransport(), CudaIpcTransport())}
+TRANSPORTS: dict[str, TransportKind] = {kind.name: kind for kind in (
+    RayTransport(), CollectiveTransport(), CudaIpcTransport(), SharedMemoryTransport())}
 
 
 def transport_kind(name: str) -> TransportKind:
@@ -39,33 +41,46 @@ def kind_of_handle(handle: Any) -> TransportKind:
     raise TransportError(f"transport={handle!r}: expected 'ray', an IpcTransport or a collective group's Rendezvous")
 
 
-AUTO_CANDIDATES = ("ray", "collective")
-"""What `transport="auto"` picks from: `ipc` needs trainer and rollout on one GPU, which only the user knows."""
+AUTO_CANDIDATES = ("shm", "ray", "collective")
+"""What `transport="auto"` picks from, in its order of preference: `ipc` needs trainer and rollout on one GPU, which
+only the user knows."""
 
 
-def choose_transport(senders: Mapping[str, Sequence[str]], replicas: Mapping[str, Mapping[str, Any]]) -> tuple[str, str]:
+def choose_transport(senders: Mapping[str, Mapping[str, Any]], replicas: Mapping[str, Mapping[str, Any]]) -> tuple[str, str]:
     """`transport="auto"`: the transport for a fleet, and why, from what each member can take.
 
-    `senders`: per trainer rank, the transports it can send over; `replicas`: per replica, its `transports()`
-    answer, `{"accepts": [names], "device": "cpu" | "cuda" | ...}`. `ray` wherever every member takes it: it
-    works wherever it is accepted, each replica fetches whole buckets or deltas as its own base needs, and a
-    replica lost mid-stream is dropped while the others go on. Else `collective` (an AsyncLLM or `vllm serve`
-    replica, whose engine core runs in another process). Never `collective` by speed alone: on CPUs neither
-    road wins everywhere (docs/performance.md), and on GPUs a trainer colocated with a replica on one device
-    (a hybrid engine) cannot form an NCCL group with it, which no member's answer tells yet. Raises
-    `ConfigError` naming what each member takes when no transport suits them all.
+    `senders`: per trainer rank, `{"sends": [names], "host": str}`; `replicas`: per replica, its `transports()`
+    answer, `{"accepts": [names], "device": "cpu" | "cuda" | ..., "host": str}` (`host`: `refit.transport.shm.
+    host_identity`, empty if unknown). In order:
+
+    1. `shm` where every member takes it and all share one host: one copy into memory the workers map, where Ray
+       copies each bucket into its object store, and again between two Ray nodes.
+    2. `ray` wherever every member takes it: each replica fetches whole buckets or deltas as its own base needs,
+       and a replica lost mid-stream is dropped while the others go on.
+    3. `collective` (an AsyncLLM or `vllm serve` replica off the trainer's host, whose engine core runs in
+       another process). Never by speed alone: on CPUs neither it nor `ray` wins everywhere (docs/performance.md),
+       and on GPUs a trainer colocated with a replica on one device (a hybrid engine) cannot form an NCCL group
+       with it, which no member's answer tells yet.
+
+    Raises `ConfigError` naming what each member takes when no transport suits them all.
     """
-    takers = {name: [who for who in senders if name in senders[who]] + [who for who in replicas if name in replicas[who]["accepts"]]
-              for name in AUTO_CANDIDATES}
-    everyone = len(senders) + len(replicas)
-    possible = [name for name in AUTO_CANDIDATES if len(takers[name]) == everyone]
+    offers = {**{who: offer["sends"] for who, offer in senders.items()}, **{who: offer["accepts"] for who, offer in replicas.items()}}
+    takers = {name: [who for who, names in offers.items() if name in names] for name in AUTO_CANDIDATES}
+    hosts = {str(offer.get("host", "")) for offer in [*senders.values(), *replicas.values()]}
+    possible = [name for name in AUTO_CANDIDATES if len(takers[name]) == len(offers)
+                and (not transport_kind(name).traits.one_host or (len(hosts) == 1 and "" not in hosts))]
     if not possible:
-        what = [f"{who} can send over {list(names) or 'none'}" for who, names in senders.items()]
+        what = [f"{who} can send over {list(offer['sends']) or 'none'}" for who, offer in senders.items()]
         what += [f"{who} can take {list(offer['accepts']) or 'none'}" for who, offer in replicas.items()]
         raise ConfigError("transport='auto': no transport suits every member of this sync, so set one (and fit the "
                           "members to it):\n  " + "\n  ".join(what))
     devices = sorted({str(offer.get("device", "")) for offer in replicas.values()} - {""})
-    if "ray" in possible:
-        return "ray", f"every member can take it (the replicas' workers are on {', '.join(devices) or 'devices unsaid'})"
-    refusing = [who for who in list(senders) + list(replicas) if who not in takers["ray"]]
+    on = f"the replicas' workers are on {', '.join(devices) or 'devices unsaid'}"
+    if possible[0] == "shm":
+        return "shm", f"every member runs on one host and can take it ({on})"
+    if possible[0] == "ray":
+        no_shm = [who for who in offers if who not in takers["shm"]]
+        why = f"{', '.join(no_shm)} cannot take 'shm'" if no_shm else "the members run on more than one host"
+        return "ray", f"every member can take it, and {why} ({on})"
+    refusing = [who for who in offers if who not in takers["ray"]]
     return "collective", f"{', '.join(refusing)} cannot take 'ray' (its engine core runs in another process)"

@@ -57,3 +57,6 @@ class CollectiveTransport:
         if not receivers:
             raise LifecycleError("a bucket's contents arrived, but this worker is in no collective group")
         return receive_parts(receivers, parts, list(next_bucket_bytes))
+
+    def loaded(self, parts: list[BucketContents]) -> None:
+        pass  # the broadcast wrote into the worker's own buffer

@@ -44,3 +44,6 @@ class CudaIpcTransport:
     def receive(self, parts: list[BucketContents], receivers: list[BucketReceiver], next_bucket_bytes: Sequence[int | None],
                 device: torch.device) -> list[WireBucket]:
         return [open_ipc_bucket(part, device) for part in parts]
+
+    def loaded(self, parts: list[BucketContents]) -> None:
+        pass  # the trainer keeps a bucket's GPU memory alive for `keep` newer ones, unnumbered

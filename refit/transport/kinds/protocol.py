@@ -2,7 +2,7 @@
 
 Why one object: each transport used to be a set of branches on its name in a
 dozen files, so adding one meant editing all of them. Each one is now
-a small class in a module of its own (`ray.py`, `collective.py`, `ipc.py`),
+a small class in a module of its own (`ray.py`, `collective.py`, `ipc.py`, `shm.py`),
 registered by name in `refit.transport.kinds` (the only place that knows the
 names), and the driver, the trainer's sender, the replica and its workers
 ask it, never its name. Like vLLM's `distributed/weight_transfer/` backends.
@@ -23,11 +23,13 @@ import torch
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
 from refit.transport.ipc import IpcTransport
+from refit.transport.shm import ShmHandle
 
 __all__ = ["BucketSink", "StreamHandle", "TransportKind", "TransportTraits"]
 
-StreamHandle = Rendezvous | IpcTransport | str
-"""What the trainer's stream is told to send over: "ray", a collective group's `Rendezvous`, or an `IpcTransport`."""
+StreamHandle = Rendezvous | IpcTransport | ShmHandle | str
+"""What the trainer's stream is told to send over: "ray", a collective group's `Rendezvous`, an `IpcTransport` or a
+`ShmHandle`."""
 
 
 class BucketSink(Protocol):
@@ -63,6 +65,10 @@ class TransportTraits:
     """Whether a `vllm serve` replica can take it (its bytes must not cross HTTP)."""
     opens_ipc_handles: bool = False
     """Whether a worker may open CUDA IPC handles a bucket's contents carry (unpickled: only where expected)."""
+    maps_shared_memory: bool = False
+    """Whether a worker may map the trainer's memory file a bucket's contents name (only where expected)."""
+    one_host: bool = False
+    """Whether every member must share one host (`refit.transport.shm.host_identity`): `transport="auto"` asks."""
     sender_methods: tuple[str, ...] = ()
     """What each trainer rank must have, beyond `refit.WeightSource`."""
     replica_methods: tuple[str, ...] = ()
@@ -104,4 +110,8 @@ class TransportKind(Protocol):
     def receive(self, parts: list[BucketContents], receivers: list[BucketReceiver], next_bucket_bytes: Sequence[int | None],
                 device: torch.device) -> list[WireBucket]:
         """In a worker, the bucket whose `parts` (one per sending rank) the update names, received."""
+        ...
+
+    def loaded(self, parts: list[BucketContents]) -> None:
+        """In a worker, after the received bucket's tensors were loaded: refuse it if its bytes changed meanwhile."""
         ...

@@ -48,3 +48,6 @@ class RayTransport:
     def receive(self, parts: list[BucketContents], receivers: list[BucketReceiver], next_bucket_bytes: Sequence[int | None],
                 device: torch.device) -> list[WireBucket]:
         raise LifecycleError("a bucket's contents arrived during a ray update, whose tensors cross vLLM's RPC; refused")
+
+    def loaded(self, parts: list[BucketContents]) -> None:
+        pass  # never asked: ray buckets come whole, not by contents

@@ -1,0 +1,245 @@
+"""The shm transport: a trainer and rollouts on one host share each bucket through a memory file, copied once.
+
+Why: between two processes of one host, Ray's object store copies every
+bucket into its store, and a second time between two Ray nodes (raylets copy
+objects between their stores even on one host); measured on a 2-core VM, the
+copy between raylets took as long as vLLM's load of the same bytes. Here the
+trainer copies each packed bucket into one of a few memory files
+(`memfd_create`) it owns, and only the table of contents and the file's
+place cross Ray and vLLM's RPC; each vLLM worker maps the file read-only and
+loads from the mapping, in whichever process it runs.
+
+Why a ring of `keep` files, reused: a fresh buffer per bucket costs a page
+fault per 4 KiB on both sides, every sync. The trainer runs at most
+`max_buckets_in_flight` buckets ahead of the driver (the ipc transport's
+rule, `IpcTransport.for_buckets_in_flight`), so a file is rewritten only
+after enough newer buckets that its readers are done with it.
+
+Why a sequence number in each file's header, checked before and after the
+load: nothing else stops a writer, e.g. a second Syncer streaming from the
+same trainer, from rewriting a file a worker is still loading. The trainer
+writes the new number before the bytes, so a worker that finds the number
+it was told, after its load, loaded bytes that nobody rewrote meanwhile;
+otherwise the bucket is refused by name and the update abandoned, whether or
+not integrity tags are checked.
+
+Why a memory file: it lives exactly as long as the trainer's process (or a
+worker's mapping of it), so a killed trainer leaves nothing in /dev/shm. A
+worker opens it as `/proc/<pid>/fd/<fd>`, which needs the trainer's process
+visible: one host, one PID namespace, one user (`host_identity`, which
+`transport="auto"` compares before picking it).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import mmap
+import os
+import stat
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from refit.errors import TransportError, VerificationError
+from refit.transport.buckets import BucketContents, WireBucket
+
+__all__ = ["SegmentRef", "ShmHandle", "SharedSegments", "host_identity", "open_shm_bucket", "refuse_rewritten", "shared_segments"]
+
+_HEADER = 64  # segment id (16 bytes), sequence number (8), then padding: the bytes start cache-line aligned
+_MIN_CAPACITY = 1 << 20
+_MAPPINGS_KEPT = 16  # per worker process: a ring's files (6 by default), twice over for a second trainer or a regrown file
+
+
+@dataclass(frozen=True, slots=True)
+class ShmHandle:
+    """What a trainer's stream is told for `transport="shm"`: how many buckets its ring of files holds."""
+
+    keep: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRef:
+    """Where a bucket's bytes lie: the trainer's `pid` and `fd` of the file, the file's id and the bucket's sequence
+    number in it. Plain values only: it crosses vLLM's RPC inside `BucketContents`."""
+
+    pid: int
+    fd: int
+    segment: str
+    sequence: int
+
+    @classmethod
+    def from_plain(cls, plain: object) -> SegmentRef:
+        """A ref from what crossed an RPC, refused unless it is four values of the right types."""
+        if not (isinstance(plain, (list, tuple)) and len(plain) == 4 and all(type(v) is int for v in (plain[0], plain[1], plain[3]))
+                and isinstance(plain[2], str) and len(plain[2]) == 32 and plain[0] > 0 and plain[1] >= 0):
+            raise TransportError(f"a bucket's shared-memory place {plain!r} is not (pid, fd, 32-hex segment id, sequence)")
+        return cls(*plain)
+
+    def to_plain(self) -> tuple[int, int, str, int]:
+        return (self.pid, self.fd, self.segment, self.sequence)
+
+
+def host_identity() -> str:
+    """Who can open this process's memory files: same boot of the same kernel, same PID namespace, same user.
+    Empty where /proc does not say (then `transport="auto"` never picks `shm`)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{boot.read().strip()}|{os.readlink('/proc/self/ns/pid')}|uid {os.getuid()}"
+    except OSError:
+        return ""
+
+
+class _Segment:
+    """One memory file of the trainer's, mapped read-write; never resized (a reader's mapping must stay valid)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.id = uuid.uuid4()
+        self.fd = os.memfd_create(f"refit-bucket-{self.id.hex[:8]}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, _HEADER + capacity)  # sparse: pages exist once written
+            self._map = mmap.mmap(self.fd, _HEADER + capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.capacity = capacity
+        self.data = np.frombuffer(self._map, dtype=np.uint8, offset=_HEADER)
+        header = np.frombuffer(self._map, dtype=np.uint8, count=_HEADER)
+        header[:16] = np.frombuffer(self.id.bytes, dtype=np.uint8)
+        self._sequence = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=16)
+
+    def write(self, buffer: np.ndarray, sequence: int) -> None:
+        self._sequence[0] = sequence  # before the bytes: a reader that still finds its number read no newer ones
+        np.copyto(self.data[: buffer.nbytes], buffer.reshape(-1).view(np.uint8))
+
+    def close(self) -> None:
+        del self.data, self._sequence
+        self._map.close()
+        os.close(self.fd)
+
+
+class SharedSegments:
+    """The trainer process's ring of memory files: each bucket is copied into the next one, round and round."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a threaded actor may run two streams at once
+        self._ring: list[_Segment | None] = []
+        self._cursor = 0
+        self._sequence = itertools.count(1)
+
+    def send(self, buckets: Iterable[WireBucket], keep: int) -> Iterator[BucketContents]:
+        for bucket in buckets:
+            yield self._put(bucket, keep)
+
+    def _put(self, bucket: WireBucket, keep: int) -> BucketContents:
+        buffer = np.asarray(bucket.buffer)  # a host bucket (the trainer packs on the host)
+        with self._lock:
+            if len(self._ring) != keep:
+                self._resize(keep)
+            slot = self._cursor % keep
+            self._cursor += 1
+            segment = self._ring[slot]
+            if segment is None or segment.capacity < buffer.nbytes:
+                if segment is not None:
+                    segment.close()  # a reader still mapping it keeps its pages until it lets go
+                # Rounded up so a ring settles after one sync of buckets of assorted sizes.
+                segment = self._ring[slot] = _Segment(max(_MIN_CAPACITY, 1 << (buffer.nbytes - 1).bit_length()))
+            sequence = next(self._sequence)
+            segment.write(buffer, sequence)
+        return bucket.contents(shm=SegmentRef(os.getpid(), segment.fd, segment.id.hex, sequence).to_plain())
+
+    def _resize(self, keep: int) -> None:
+        for segment in self._ring[keep:]:
+            if segment is not None:
+                segment.close()
+        self._ring = (self._ring + [None] * keep)[:keep]
+
+    def nbytes(self) -> int:
+        """The ring's files' sizes (the pages written are the memory they hold)."""
+        return sum(segment.capacity for segment in self._ring if segment is not None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._resize(0)
+
+
+_process_segments: SharedSegments | None = None
+_process_lock = threading.Lock()
+
+
+def shared_segments() -> SharedSegments:
+    """This process's ring (one per trainer process: the memory files are the process's, like its GPU memory)."""
+    global _process_segments
+    with _process_lock:
+        if _process_segments is None:
+            _process_segments = SharedSegments()
+        return _process_segments
+
+
+# -- the worker's end --------------------------------------------------------------------------
+
+class _Mapping:
+    def __init__(self, ref: SegmentRef) -> None:
+        path = f"/proc/{ref.pid}/fd/{ref.fd}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            raise TransportError(
+                f"cannot open the trainer's shared memory {path} ({error.strerror}); transport='shm' needs the trainer "
+                "and this vLLM worker on one host, in one PID namespace, as one user (use 'ray' or 'collective')"
+            ) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size <= _HEADER:
+                raise TransportError(f"{path} is not a refit bucket file of the trainer's (it is no memory file)")
+            self._map = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        if self._map[:16] != uuid.UUID(hex=ref.segment).bytes:
+            self._map.close()
+            raise TransportError(f"{path} is not the trainer's bucket file {ref.segment} (the trainer replaced it?)")
+        self.data = np.frombuffer(self._map, dtype=np.uint8, offset=_HEADER)
+        self.sequence = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=16)
+
+
+_mappings: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
+_mappings_lock = threading.Lock()
+
+
+def _mapping(ref: SegmentRef) -> _Mapping:
+    with _mappings_lock:
+        mapping = _mappings.get(ref.segment)
+        if mapping is None:
+            mapping = _mappings[ref.segment] = _Mapping(ref)
+            while len(_mappings) > _MAPPINGS_KEPT:
+                _mappings.popitem(last=False)  # unmapped once no bucket's tensors view it any more
+        _mappings.move_to_end(ref.segment)
+        return mapping
+
+
+def open_shm_bucket(contents: BucketContents) -> WireBucket:
+    """The bucket as a read-only view of the trainer's memory file (no copy); `refuse_rewritten` after loading it."""
+    if contents.shm is None:
+        raise TransportError(f"bucket {contents.index} arrived without its shared-memory place during a shm update")
+    ref = SegmentRef.from_plain(contents.shm)
+    mapping = _mapping(ref)
+    if contents.nbytes > mapping.data.nbytes:
+        raise TransportError(f"bucket {contents.index} claims {contents.nbytes} bytes, but its file holds {mapping.data.nbytes}")
+    refuse_rewritten(contents)
+    return contents.with_bytes(mapping.data)
+
+
+def refuse_rewritten(contents: BucketContents) -> None:
+    """Raise `VerificationError` if the bucket's file holds another bucket than `contents` names (rewritten before or
+    while it was read)."""
+    ref = SegmentRef.from_plain(contents.shm)
+    found = int(_mapping(ref).sequence[0])
+    if found != ref.sequence:  # a verification failure: a replica that loaded nothing of the update serves on
+        raise VerificationError(
+            f"bucket {contents.index}'s shared memory was rewritten (it holds the trainer's bucket #{found}, not "
+            f"#{ref.sequence}) before this worker finished loading it: the trainer ran more than its ring of buckets "
+            "ahead, or another sync streamed from the same trainer meanwhile; this update is refused"
+        )

@@ -1,0 +1,89 @@
+"""The shm transport's files (refit/transport/shm.py), written and mapped in this process: real memory files, real mmap."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from refit.errors import TransportError, VerificationError
+from refit.transport.buckets import BucketContents, pack_bucket
+from refit.transport.shm import SegmentRef, SharedSegments, host_identity, open_shm_bucket, refuse_rewritten
+
+
+def bucket(index: int, fill: float, rows: int = 64):
+    return pack_bucket(index, [(f"w{index}", torch.full((rows, 128), fill, dtype=torch.bfloat16)),
+                               (f"b{index}", torch.arange(rows, dtype=torch.int32))])
+
+
+def test_a_bucket_is_mapped_back_byte_for_byte_without_a_copy() -> None:
+    ring = SharedSegments()
+    try:
+        sent = [bucket(i, 0.5 + i) for i in range(3)]
+        contents = list(ring.send(sent, keep=6))
+        for original, arrived in zip(sent, contents):
+            assert arrived.shm is not None and arrived.shm[0] == os.getpid()
+            mapped = open_shm_bucket(BucketContents.from_plain(arrived.to_plain()))  # as it crosses vLLM's RPC
+            assert mapped.tensors == original.tensors
+            assert bytes(mapped.buffer) == bytes(original.buffer)
+            assert not mapped.buffer.flags.writeable  # a worker reads the trainer's memory, never writes it
+            refuse_rewritten(arrived)
+    finally:
+        ring.close()
+
+
+def test_a_file_is_reused_after_keep_buckets_and_a_stale_reader_is_refused() -> None:
+    ring = SharedSegments()
+    try:
+        first = list(ring.send([bucket(0, 1.0)], keep=2))[0]
+        mapped = open_shm_bucket(first)
+        list(ring.send([bucket(1, 2.0), bucket(2, 3.0)], keep=2))  # the ring wraps: bucket 2 rewrites bucket 0's file
+        assert list(mapped.unpack())[0][1][0, 0].item() == 3.0
+        with pytest.raises(VerificationError, match=r"bucket 0's shared memory was rewritten .*#3, not #1"):
+            refuse_rewritten(first)
+        with pytest.raises(VerificationError, match="rewritten"):
+            open_shm_bucket(first)
+    finally:
+        ring.close()
+
+
+def test_a_larger_bucket_gets_a_new_file_and_the_old_mapping_stays_valid() -> None:
+    ring = SharedSegments()
+    try:
+        sent = [bucket(0, 1.0, rows=8), bucket(1, 2.0, rows=8192 * 2)]  # 4 MiB: over the first file's 1 MiB
+        small = list(ring.send(sent[:1], keep=1))[0]
+        mapped = open_shm_bucket(small)
+        big = list(ring.send(sent[1:], keep=1))[0]
+        assert big.shm[2] != small.shm[2]
+        assert bytes(open_shm_bucket(big).buffer) == bytes(sent[1].buffer)
+        assert bytes(mapped.buffer) == bytes(sent[0].buffer)  # the closed file lives while mapped
+    finally:
+        ring.close()
+
+
+def test_bad_places_are_refused_by_name() -> None:
+    ring = SharedSegments()
+    try:
+        good = list(ring.send([bucket(0, 1.0)], keep=1))[0]
+        pid, fd, segment, sequence = good.shm
+        with pytest.raises(TransportError, match="is not the trainer's bucket file"):
+            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, fd, "0" * 32, sequence)))
+        with pytest.raises(TransportError, match="cannot open the trainer's shared memory /proc/.*needs the trainer"):
+            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, 987654, segment, sequence)))
+        with pytest.raises(TransportError, match="is no memory file"):
+            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, 0, segment, sequence)))  # stdin
+        with pytest.raises(TransportError, match="claims .* bytes, but its file holds"):
+            open_shm_bucket(BucketContents(0, good.tensors, 1 << 40, shm=good.shm))
+        for plain in [("1", fd, segment, 1), (pid, fd, "../../etc/passwd", 1), (pid, -1, segment, 1), (pid, fd, segment)]:
+            with pytest.raises(TransportError, match="is not \\(pid, fd, 32-hex segment id, sequence\\)"):
+                SegmentRef.from_plain(plain)
+    finally:
+        ring.close()
+
+
+def test_the_host_identity_names_boot_pid_namespace_and_user() -> None:
+    identity = host_identity()
+    assert identity.count("|") == 2 and identity.endswith(f"uid {os.getuid()}") and "pid:[" in identity
+    assert np.uint8  # numpy is what the files are viewed through
