@@ -1,12 +1,13 @@
-"""The `ray` transport against `collective` on the same model and rollout, measured in one run.
+"""The `shm`, `ray` and `collective` transports on the same model and rollout, measured in one run.
 
 Same synthetic Qwen3 as bench_sync (trainer on node 0, one FP8_BLOCK dummy-
 loaded rollout with its engine core in the actor's process on node 1, so
-both transports can reach it). Syncs alternate between the two transports,
-which share the plan, the quantizer and the checks; only the road the bytes
-take differs: the object store (a put, a fetch, then vLLM's RPC) or one
-broadcast over a gloo group into the worker's preallocated buffers. Prints
-the medians and their ratio. On GPUs the collective group runs NCCL
+every transport can reach it; the two nodes are one host, as `shm` needs).
+Syncs alternate between the transports, which share the plan, the quantizer
+and the checks; only the road the bytes take differs: a memory file of the
+trainer's that the worker maps, the object store (a put, a fetch between
+raylets, then vLLM's RPC), or one broadcast over a gloo group into the
+worker's preallocated buffers. Prints the medians and their ratios to `ray`. On GPUs the collective group runs NCCL
 (scripts/gpu_check.sh). Run with `.venv/bin/python -m benchmarks.bench_transport`.
 """
 
@@ -28,7 +29,7 @@ def main() -> None:
         trainer, rollout = start_trainer_and_rollout(*synthetic_checkpoints(Path(tmp), args.layers, args.hidden))
         bucket = int(args.bucket_mib * 2**20)
         syncers = {name: refit.Syncer(trainer, rollout, refit.SyncConfig(bucket_bytes=bucket, transport=name, delta="off"))
-                   for name in ("ray", "collective")}
+                   for name in ("shm", "ray", "collective")}
         for syncer in syncers.values():
             syncer.sync()  # warm-up: plan, group, kernel build, first-touch allocations
         seconds: dict[str, list[float]] = {name: [] for name in syncers}
@@ -48,8 +49,8 @@ def main() -> None:
         for name, median in medians.items():
             lines.append(f"  {name:<11} median {median:.3f} s per sync (stream stage {statistics.median(stream[name]):.3f} s), "
                          f"{plan.wire_bytes / 2**20 / median:.0f} MiB/s on the wire")
-        lines.append(f"  collective / ray time ratio: {medians['collective'] / medians['ray']:.2f} "
-                     f"(below 1: collective is faster)")
+        for name in ("shm", "collective"):
+            lines.append(f"  {name} / ray time ratio: {medians[name] / medians['ray']:.2f} (below 1: {name} is faster)")
         print("\n".join(lines))
     if args.write_docs:
         _docs_table.write_block("bench_transport", "\n".join(lines))
