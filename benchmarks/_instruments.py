@@ -176,12 +176,19 @@ def drop_loads(actor: Any) -> None:
     actor.__dict__.pop("_bench_loads", None)
 
 
-def produce_alone(actor: Any, plan: Any) -> float:
-    """In the trainer: every bucket of `plan` as its weights produce them for a sync (preflight, quantize into the
-    bucket's buffer, pack, integrity tags if the plan has a key), each dropped as soon as made: no consumer, no
-    transport, no delta base. Seconds."""
+def produce_alone(actor: Any, plan: Any, transport: str = "ray", max_buckets_in_flight: int = 2) -> float:
+    """In the trainer: every bucket of `plan` as its weights produce them for a sync over `transport` (preflight,
+    quantize into the bucket's buffer, which is the transport's own memory where it lends some, pack, integrity tags
+    if the plan has a key), each dropped as soon as made: no consumer, no sending, no delta base. Seconds."""
+    from refit.transport.buckets import buffers_from
+    from refit.transport.kinds import transport_kind
+
+    kind = transport_kind(transport)
+    allocate = None if kind.traits.one_group else kind.bucket_buffers(kind.stream_handle(max_buckets_in_flight, None))
     start = time.perf_counter()
     buckets = actor.weights._produce(plan)
-    while next(buckets, None) is not None:
-        pass
+    while True:
+        with buffers_from(allocate):
+            if next(buckets, None) is None:
+                break
     return time.perf_counter() - start

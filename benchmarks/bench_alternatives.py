@@ -221,7 +221,8 @@ def measure_size(layers: int, hidden: int, bucket_bytes: int, repeats: int, scra
                 results[LOAD_ALONE].seconds.append(run_in(rollout, instruments.load_alone, plan, timeout=600))
                 # The default sync's plan as each of its syncs gets it: with a key, so the buckets are tagged.
                 keyed = plan.for_sync(new_sync_key())
-                results[PRODUCE_ALONE].seconds.append(run_in(trainer, instruments.produce_alone, keyed, timeout=600))
+                results[PRODUCE_ALONE].seconds.append(run_in(trainer, instruments.produce_alone, keyed,
+                                                             syncers[DEFAULT].transport, timeout=600))
             run_in(rollout, instruments.drop_loads)
             detail, memory = instrumented_sync(syncers[DEFAULT], trainer, rollout)
             # Last: vLLM's raw reload leaves placeholder KV scales that no refit stage repairs (the seed bug).

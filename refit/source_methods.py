@@ -18,12 +18,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
+
 from refit.adapters.weights import AdapterMeta, AdapterWeights
 from refit.errors import ConfigError
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
-from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.buckets import BucketContents, WireBucket, buffers_from
 from refit.transport.collective import Rendezvous
 from refit.transport.sender import TransportSender
 from refit.transport.shm import host_identity
@@ -57,7 +59,8 @@ class TrainerWeights:
         """The plan's buckets (deltas where `delta` says), carried by `transport`; times the producing."""
         self._stream_seconds = 0.0
         buckets = self.sender.encode(self._produce(plan), delta)
-        yield from self.sender.send(_timed(buckets, self._add_stream_seconds), transport)
+        written = _timed(buckets, self._add_stream_seconds, self.sender.bucket_buffers(transport))
+        yield from self.sender.send(written, transport)
 
     def base_entries(self) -> list[tuple]:
         return self.sender.base_entries()
@@ -118,11 +121,14 @@ def _delegation(cls: type, name: str) -> Callable[..., Any]:
     return as_declared(method, cls, name, getattr(FullWeightSource, name), getattr(TrainerWeights, name))
 
 
-def _timed(items: Iterator[_T], add_seconds: Callable[[float], None]) -> Iterator[_T]:
-    """Yield `items`, reporting the time spent producing each one (not the time the consumer holds it)."""
+def _timed(items: Iterator[_T], add_seconds: Callable[[float], None],
+           allocate: Callable[[int], np.ndarray] | None = None) -> Iterator[_T]:
+    """Yield `items`, reporting the time spent producing each one (not the time the consumer holds it); each bucket
+    written into `allocate`'s memory (`buffers_from`), where the transport sends from."""
     while True:
         start = time.perf_counter()
-        item = next(items, None)
+        with buffers_from(allocate):
+            item = next(items, None)
         add_seconds(time.perf_counter() - start)
         if item is None:
             return

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +23,32 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.integrity import tag
 
-__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "element_view", "pack_bucket"]
+__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "buffers_from",
+           "element_view", "pack_bucket"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
     torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
 )}
 _ALIGN = 64  # every tensor starts cache-line aligned, so views are aligned too
+_where = threading.local()  # `buffers_from`'s allocator, while a producer writes a bucket on this thread
+
+
+@contextmanager
+def buffers_from(allocate: Callable[[int], np.ndarray] | None) -> Iterator[None]:
+    """Within this block, a `BucketWriter` on this thread lays its bucket out in `allocate(nbytes)` (a writable uint8
+    array of that size) instead of fresh host memory; None: fresh memory.
+
+    Why: a transport whose bytes travel from memory of its own (the shm transport's files) then gets each bucket
+    written once, where it travels from, instead of written and copied; and memory it reuses is not faulted in anew.
+    The producer's code (a trainer's `produce(plan)`) is unchanged: the sender wraps each step of it.
+    """
+    before = getattr(_where, "allocate", None)
+    _where.allocate = allocate
+    try:
+        yield
+    finally:
+        _where.allocate = before
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +168,8 @@ class BucketWriter:
         self._table = table
         self._key = key
         self._sealed = [False] * len(table)
-        self._buffer = np.empty(offset, dtype=np.uint8)
+        allocate = getattr(_where, "allocate", None)
+        self._buffer = np.empty(offset, dtype=np.uint8) if allocate is None else allocate(offset)
         self._flat = torch.from_numpy(self._buffer)
 
     def slot(self, i: int) -> torch.Tensor:

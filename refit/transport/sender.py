@@ -10,7 +10,9 @@ transports here, not in each trainer. It also keeps the sender's delta base
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
 
 from refit.errors import TransportError
 from refit.transport.buckets import BucketContents, WireBucket
@@ -18,6 +20,7 @@ from refit.transport.collective import CollectiveGroup, Rendezvous
 from refit.transport.delta import DeltaMode, SenderBase
 from refit.transport.ipc import IpcTransport
 from refit.transport.kinds import kind_of_handle
+from refit.transport.shm import ShmHandle
 
 __all__ = ["TransportSender"]
 
@@ -52,8 +55,13 @@ class TransportSender:
         send deltas (`SenderBase.stream`). A trainer times this with its own producing."""
         return self._base.stream(buckets, DeltaMode(delta))
 
+    def bucket_buffers(self, transport: Rendezvous | IpcTransport | ShmHandle | str) -> Callable[[int], np.ndarray] | None:
+        """Where the producer writes each bucket for `transport` (`refit.transport.buckets.buffers_from`); None: fresh
+        host memory."""
+        return kind_of_handle(transport).bucket_buffers(transport)
+
     def send(
-        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | str
+        self, buckets: Iterable[WireBucket], transport: Rendezvous | IpcTransport | ShmHandle | str
     ) -> Iterable[WireBucket] | Iterator[BucketContents]:
         """The buckets as the stream carries them: whole (`"ray"`), or their contents while the bytes go another way."""
         return kind_of_handle(transport).send(buckets, transport, self._group)

@@ -111,45 +111,80 @@ class _Segment:
         header[:16] = np.frombuffer(self.id.bytes, dtype=np.uint8)
         self._sequence = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=16)
 
-    def write(self, buffer: np.ndarray, sequence: int) -> None:
-        self._sequence[0] = sequence  # before the bytes: a reader that still finds its number read no newer ones
-        np.copyto(self.data[: buffer.nbytes], buffer.reshape(-1).view(np.uint8))
+    def number(self, sequence: int) -> None:
+        """Mark the file as holding bucket `sequence`: before its bytes are written, so a reader that still finds its
+        own number after reading read none of them."""
+        self._sequence[0] = sequence
+
+    def holds(self) -> int:
+        return int(self._sequence[0])
 
     def close(self) -> None:
         del self.data, self._sequence
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a bucket written in place still views it: unmapped with the last view
+            pass
         os.close(self.fd)
 
 
 class SharedSegments:
-    """The trainer process's ring of memory files: each bucket is copied into the next one, round and round."""
+    """The trainer process's ring of memory files: each bucket goes into the next one, round and round.
+
+    A producer writes a bucket straight into its file when the sender lends it the file's memory (`reserve`, through
+    `refit.transport.buckets.buffers_from`); any other bucket is copied in (`send`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # a threaded actor may run two streams at once
         self._ring: list[_Segment | None] = []
         self._cursor = 0
         self._sequence = itertools.count(1)
+        self._lent: dict[int, tuple[np.ndarray, _Segment, int]] = {}  # id(buffer) -> (buffer, its file, its number)
+
+    def reserve(self, nbytes: int, keep: int) -> np.ndarray:
+        """The next file's first `nbytes`, writable, numbered as the next bucket (`buffers_from`'s allocator)."""
+        with self._lock:
+            segment, sequence = self._next(nbytes, keep)
+            buffer = segment.data[:nbytes]
+            self._lent[id(buffer)] = (buffer, segment, sequence)
+            while len(self._lent) > keep:  # a bucket is sent right after it is written: older ones were never sent
+                del self._lent[next(iter(self._lent))]
+        return buffer
 
     def send(self, buckets: Iterable[WireBucket], keep: int) -> Iterator[BucketContents]:
         for bucket in buckets:
-            yield self._put(bucket, keep)
+            yield self._publish(bucket, keep)
 
-    def _put(self, bucket: WireBucket, keep: int) -> BucketContents:
+    def _publish(self, bucket: WireBucket, keep: int) -> BucketContents:
         buffer = np.asarray(bucket.buffer)  # a host bucket (the trainer packs on the host)
         with self._lock:
-            if len(self._ring) != keep:
-                self._resize(keep)
-            slot = self._cursor % keep
-            self._cursor += 1
-            segment = self._ring[slot]
-            if segment is None or segment.capacity < buffer.nbytes:
-                if segment is not None:
-                    segment.close()  # a reader still mapping it keeps its pages until it lets go
-                # Rounded up so a ring settles after one sync of buckets of assorted sizes.
-                segment = self._ring[slot] = _Segment(max(_MIN_CAPACITY, 1 << (buffer.nbytes - 1).bit_length()))
-            sequence = next(self._sequence)
-            segment.write(buffer, sequence)
+            lent = self._lent.pop(id(bucket.buffer), None)
+            if (lent is not None and lent[0] is bucket.buffer and any(lent[1] is segment for segment in self._ring)
+                    and lent[1].holds() == lent[2]):
+                _, segment, sequence = lent
+            elif any(segment is not None and np.may_share_memory(buffer, segment.data) for segment in self._ring):
+                raise TransportError(f"bucket {bucket.index}'s shared memory was taken by another stream while it "
+                                     "was written; this stream is refused")
+            else:  # not written in place: copied into the next file
+                segment, sequence = self._next(buffer.nbytes, keep)
+                np.copyto(segment.data[: buffer.nbytes], buffer.reshape(-1).view(np.uint8))
         return bucket.contents(shm=SegmentRef(os.getpid(), segment.fd, segment.id.hex, sequence).to_plain())
+
+    def _next(self, nbytes: int, keep: int) -> tuple[_Segment, int]:
+        """The next file of the ring, at least `nbytes` long, numbered as the next bucket; the caller holds the lock."""
+        if len(self._ring) != keep:
+            self._resize(keep)
+        slot = self._cursor % keep
+        self._cursor += 1
+        segment = self._ring[slot]
+        if segment is None or segment.capacity < nbytes:
+            if segment is not None:
+                segment.close()  # a reader still mapping it keeps its pages until it lets go
+            # Rounded up so a ring settles after one sync of buckets of assorted sizes.
+            segment = self._ring[slot] = _Segment(max(_MIN_CAPACITY, 1 << (nbytes - 1).bit_length()))
+        sequence = next(self._sequence)
+        segment.number(sequence)
+        return segment, sequence
 
     def _resize(self, keep: int) -> None:
         for segment in self._ring[keep:]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from refit.errors import TransportError, VerificationError
-from refit.transport.buckets import BucketContents, pack_bucket
+from refit.transport.buckets import BucketContents, buffers_from, pack_bucket
 from refit.transport.shm import SegmentRef, SharedSegments, host_identity, open_shm_bucket, refuse_rewritten
 
 
@@ -87,3 +87,33 @@ def test_the_host_identity_names_boot_pid_namespace_and_user() -> None:
     identity = host_identity()
     assert identity.count("|") == 2 and identity.endswith(f"uid {os.getuid()}") and "pid:[" in identity
     assert np.uint8  # numpy is what the files are viewed through
+
+
+def test_a_bucket_written_in_its_file_is_sent_without_a_copy() -> None:
+    ring = SharedSegments()
+    try:
+        with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=2)):
+            written = bucket(0, 1.5)
+        contents = list(ring.send([written], keep=2))[0]
+        mapped = open_shm_bucket(contents)
+        assert bytes(mapped.buffer) == bytes(written.buffer)
+        assert written.buffer.ctypes.data == ring._ring[0].data.ctypes.data  # the producer wrote into the file itself
+        # Outside the block a producer writes fresh memory again, which is copied in.
+        fresh = bucket(1, 2.5)
+        copied = list(ring.send([fresh], keep=2))[0]
+        assert fresh.buffer.ctypes.data != ring._ring[1].data.ctypes.data
+        assert bytes(open_shm_bucket(copied).buffer) == bytes(fresh.buffer)
+    finally:
+        ring.close()
+
+
+def test_a_file_taken_by_another_stream_while_a_bucket_was_written_in_it_is_refused() -> None:
+    ring = SharedSegments()
+    try:
+        with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
+            first = bucket(0, 1.0)
+            bucket(1, 2.0)  # another stream's producer takes the ring's only file before the first is sent
+        with pytest.raises(TransportError, match="bucket 0's shared memory was taken by another stream while it was written"):
+            list(ring.send([first], keep=1))
+    finally:
+        ring.close()

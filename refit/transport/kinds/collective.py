@@ -36,6 +36,9 @@ class CollectiveTransport:
     def handles(self, handle: Any) -> bool:
         return isinstance(handle, Rendezvous)
 
+    def bucket_buffers(self, handle: Any) -> None:
+        return None
+
     def send(self, buckets: Iterable[WireBucket], handle: Any, group: CollectiveGroup | None) -> Iterator[BucketContents]:
         """Broadcast each bucket in the group `handle` names, which the trainer joined first (`join_transport`)."""
         group_id = None if group is None else group.rendezvous.group_id

@@ -32,6 +32,9 @@ class CudaIpcTransport:
     def handles(self, handle: Any) -> bool:
         return isinstance(handle, IpcTransport)
 
+    def bucket_buffers(self, handle: Any) -> None:
+        return None
+
     def send(self, buckets: Iterable[WireBucket], handle: Any, group: CollectiveGroup | None) -> Iterator[BucketContents]:
         return IpcSender(keep=handle.keep).send(buckets)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from refit.transport.buckets import BucketContents, WireBucket
@@ -93,6 +94,11 @@ class TransportKind(Protocol):
         ...
 
     # -- sender half ------------------------------------------------------------------
+    def bucket_buffers(self, handle: Any) -> Callable[[int], np.ndarray] | None:
+        """Where the trainer's producer writes each bucket (`refit.transport.buckets.buffers_from`): memory the
+        transport sends from, or None: fresh host memory."""
+        ...
+
     def send(self, buckets: Iterable[WireBucket], handle: Any,
              group: CollectiveGroup | None) -> Iterable[WireBucket] | Iterator[BucketContents]:
         """The buckets as the trainer's stream carries them; `group`: the trainer's collective group, if any."""

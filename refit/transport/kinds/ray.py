@@ -36,6 +36,9 @@ class RayTransport:
     def handles(self, handle: Any) -> bool:
         return isinstance(handle, str) and handle == _HANDLE
 
+    def bucket_buffers(self, handle: Any) -> None:
+        return None
+
     def send(self, buckets: Iterable[WireBucket], handle: Any, group: CollectiveGroup | None) -> Iterable[WireBucket]:
         return buckets  # the stream's own objects are the object store's
 

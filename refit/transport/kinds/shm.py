@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from refit.transport.buckets import BucketContents, WireBucket
@@ -35,6 +36,10 @@ class SharedMemoryTransport:
 
     def handles(self, handle: Any) -> bool:
         return isinstance(handle, ShmHandle)
+
+    def bucket_buffers(self, handle: Any) -> Callable[[int], np.ndarray]:
+        segments = shared_segments()
+        return lambda nbytes: segments.reserve(nbytes, handle.keep)
 
     def send(self, buckets: Iterable[WireBucket], handle: Any, group: CollectiveGroup | None) -> Iterator[BucketContents]:
         return shared_segments().send(buckets, handle.keep)
