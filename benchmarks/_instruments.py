@@ -26,9 +26,6 @@ __all__ = ["StageClock", "capture_loads_start", "capture_loads_stop", "drop_load
            "produce_alone", "shared_file_bytes", "stages_start", "stages_stop"]
 
 
-SHM_COPY = "copy into shm file"  # after production: not in a report's trainer seconds
-
-
 class MemorySampler:
     def __init__(self, period_s: float = 0.001) -> None:
         from actors._measure import private_rss_bytes
@@ -120,9 +117,6 @@ def stages_start(actor: Any) -> None:
         from refit.transport.delta import SenderBase
 
         clock.wrap(SenderBase, "_delta", "delta encode")
-        from refit.transport.shm import _Segment
-
-        clock.wrap(_Segment, "write", SHM_COPY)
 
 
 def stages_stop(actor: Any) -> dict[str, float]:

@@ -253,7 +253,7 @@ def instrumented_sync(syncer: refit.Syncer, trainer, rollout) -> tuple[dict[str,
     memory = {side: run_in(actor, instruments.memory_stop) for side, actor in sides.items()}
     detail = {side: run_in(actor, instruments.stages_stop) for side, actor in sides.items()}
     if report.trainer_seconds is not None:  # what the clocks do not cover: copies of unquantized tensors, buffers
-        detail["trainer"]["other"] = report.trainer_seconds - sum(v for k, v in detail["trainer"].items() if k != instruments.SHM_COPY)
+        detail["trainer"]["other"] = report.trainer_seconds - sum(detail["trainer"].values())
     return detail, memory
 
 

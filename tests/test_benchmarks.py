@@ -105,8 +105,8 @@ def test_the_comparison_runs_every_path_and_writes_its_table_json_and_plot(ray_c
     assert all(p["median"] > 0 for p in size["paths"].values())
     assert size["fp8_wire_bytes"] < size["bf16_bytes"]  # FP8 codes and scales: about half of bf16
     assert {"stream", "load"} <= set(size["paths"][DEFAULT]["stages"])
-    # The default here is shm: the trainer copies into its files, the workers map, verify and load in the receive.
-    assert {"preflight", "quantize", "integrity tag", "copy into shm file"} <= set(size["stage_detail"]["trainer"])
+    # The default here is shm: the trainer writes into its files, the workers map, verify and load in the receive.
+    assert {"preflight", "quantize", "integrity tag"} <= set(size["stage_detail"]["trainer"])
     assert {"map", "verify", "receive (shm: map, verify, load)"} <= set(size["stage_detail"]["rollout"])
     assert set(size["peak_extra_bytes"]) == {"trainer", "rollout"} and "peak extra private memory" in out
     assert size["shared_file_bytes"] > 0 and "the trainer's shared memory files (shm), kept between syncs" in out

@@ -3,10 +3,12 @@
 Why a window: the trainer runs at most `SyncConfig.max_buckets_in_flight`
 buckets ahead of the slowest replica, so quantizing bucket i+1 overlaps
 loading bucket i while memory stays bounded; every wait has a deadline.
-Over `collective` and `ipc` the trainer's stream carries only each
-bucket's table of contents: the driver reads it and looks one bucket
-ahead, so that a worker can post the receive of the next bucket before it
-loads this one. Over `ray` each replica fetches the bucket's refs itself
+Over `collective`, `ipc` and `shm` the trainer's stream carries only each
+bucket's table of contents, which the driver reads; over `collective` it
+looks one bucket ahead, so that a worker can post the receive of the next
+bucket before it loads this one (the others hand each bucket on at once:
+waiting for the next would keep the first from loading while the trainer
+makes the second). Over `ray` each replica fetches the bucket's refs itself
 (the driver never pulls bucket bytes), so a lost replica is dropped and
 the others go on; over `collective` its loss breaks every member's
 broadcasts (`GroupBroken`).
@@ -46,7 +48,7 @@ class BucketRelay:
     def run(self, transport: StreamHandle, delta: DeltaMode | None, modes: dict[str, str]) -> dict[str, float]:
         """Stream every bucket of the plan to the members in their `modes` ("full" or "delta"); load seconds by name."""
         kind = kind_of_handle(transport)
-        by_contents = kind.traits.by_contents
+        by_contents, ahead = kind.traits.by_contents, kind.traits.reads_ahead
         self.one_group = kind.traits.one_group
         buckets = len(self.plan.buckets)
         streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
@@ -54,12 +56,14 @@ class BucketRelay:
         by_mode = {mode: [(who, r) for who, r in self.roll.members if modes.get(who, "full") == mode] for mode in ("full", "delta")}
         self.progress = progress_bar(self.config.progress, buckets, f"refit sync v{self.version}", unit="bucket")
         try:
-            upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if by_contents else []
+            upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if ahead else []
             for index in range(buckets):
-                if by_contents:  # each rank's contents of this bucket, and of the one after
+                if ahead:  # each rank's contents of this bucket, and of the one after
                     parts = upcoming
                     upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if index + 1 < buckets else []
                     delta_parts = parts
+                elif by_contents:
+                    parts = delta_parts = [stream.next(self.timeout, fetch=True) for stream in streams]
                 else:
                     parts = [stream.next(self.timeout) for stream in streams]  # one part per rank (one rank: the bucket)
                     # In "both" mode each rank yields the whole part, then its delta.

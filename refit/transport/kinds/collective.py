@@ -27,7 +27,7 @@ GROUP_METHODS = ("join_transport", "leave_transport", "transport_group")  # what
 
 class CollectiveTransport:
     name = "collective"
-    traits = TransportTraits(delta_base_in="workers", one_group=True, reaches_server=True,
+    traits = TransportTraits(delta_base_in="workers", reads_ahead=True, one_group=True, reaches_server=True,
                              sender_methods=GROUP_METHODS, replica_methods=(*GROUP_METHODS, "transport_ranks"))
 
     def stream_handle(self, max_buckets_in_flight: int, form_group: Callable[[], Rendezvous]) -> StreamHandle:

@@ -56,6 +56,10 @@ class TransportTraits:
     """Whether only a bucket's table of contents crosses Ray and vLLM's RPC while the bytes go another way."""
     delta_base_in: str | None = None
     """Where a delta base is kept ("replica": the replica's process, "workers": each worker), or None: no deltas."""
+    reads_ahead: bool = False
+    """Whether the driver hands each bucket on with the next one's size, so that a worker posts its receive early
+    (a broadcast must be met by a posted receive); each bucket then waits for the trainer's next one. Else each is
+    handed on as soon as it exists."""
     one_group: bool = False
     """Whether every member is in one group: a member lost breaks every member's transfers, and one transfer
     reaches every replica (so all get the same kind of bucket)."""
