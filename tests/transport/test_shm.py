@@ -13,74 +13,65 @@ from refit.transport.buckets import BucketContents, buffers_from, pack_bucket
 from refit.transport.shm import SegmentRef, SharedSegments, host_identity, open_shm_bucket, refuse_rewritten
 
 
+@pytest.fixture
+def ring():
+    segments = SharedSegments()
+    yield segments
+    segments.close()
+
+
 def bucket(index: int, fill: float, rows: int = 64):
     return pack_bucket(index, [(f"w{index}", torch.full((rows, 128), fill, dtype=torch.bfloat16)),
                                (f"b{index}", torch.arange(rows, dtype=torch.int32))])
 
 
-def test_a_bucket_is_mapped_back_byte_for_byte_without_a_copy() -> None:
-    ring = SharedSegments()
-    try:
-        sent = [bucket(i, 0.5 + i) for i in range(3)]
-        contents = list(ring.send(sent, keep=6))
-        for original, arrived in zip(sent, contents):
-            assert arrived.shm is not None and arrived.shm[0] == os.getpid()
-            mapped = open_shm_bucket(BucketContents.from_plain(arrived.to_plain()))  # as it crosses vLLM's RPC
-            assert mapped.tensors == original.tensors
-            assert bytes(mapped.buffer) == bytes(original.buffer)
-            assert not mapped.buffer.flags.writeable  # a worker reads the trainer's memory, never writes it
-            refuse_rewritten(arrived)
-    finally:
-        ring.close()
+def test_a_bucket_is_mapped_back_byte_for_byte_without_a_copy(ring: SharedSegments) -> None:
+    sent = [bucket(i, 0.5 + i) for i in range(3)]
+    contents = list(ring.send(sent, keep=6))
+    for original, arrived in zip(sent, contents):
+        assert arrived.shm is not None and arrived.shm[0] == os.getpid()
+        mapped = open_shm_bucket(BucketContents.from_plain(arrived.to_plain()))  # as it crosses vLLM's RPC
+        assert mapped.tensors == original.tensors
+        assert bytes(mapped.buffer) == bytes(original.buffer)
+        assert not mapped.buffer.flags.writeable  # a worker reads the trainer's memory, never writes it
+        refuse_rewritten(arrived)
 
 
-def test_a_file_is_reused_after_keep_buckets_and_a_stale_reader_is_refused() -> None:
-    ring = SharedSegments()
-    try:
-        first = list(ring.send([bucket(0, 1.0)], keep=2))[0]
-        mapped = open_shm_bucket(first)
-        list(ring.send([bucket(1, 2.0), bucket(2, 3.0)], keep=2))  # the ring wraps: bucket 2 rewrites bucket 0's file
-        assert list(mapped.unpack())[0][1][0, 0].item() == 3.0
-        with pytest.raises(VerificationError, match=r"bucket 0's shared memory was rewritten .*#3, not #1"):
-            refuse_rewritten(first)
-        with pytest.raises(VerificationError, match="rewritten"):
-            open_shm_bucket(first)
-    finally:
-        ring.close()
+def test_a_file_is_reused_after_keep_buckets_and_a_stale_reader_is_refused(ring: SharedSegments) -> None:
+    first = list(ring.send([bucket(0, 1.0)], keep=2))[0]
+    mapped = open_shm_bucket(first)
+    list(ring.send([bucket(1, 2.0), bucket(2, 3.0)], keep=2))  # the ring wraps: bucket 2 rewrites bucket 0's file
+    assert list(mapped.unpack())[0][1][0, 0].item() == 3.0
+    with pytest.raises(VerificationError, match=r"bucket 0's shared memory was rewritten .*#3, not #1"):
+        refuse_rewritten(first)
+    with pytest.raises(VerificationError, match="rewritten"):
+        open_shm_bucket(first)
 
 
-def test_a_larger_bucket_gets_a_new_file_and_the_old_mapping_stays_valid() -> None:
-    ring = SharedSegments()
-    try:
-        sent = [bucket(0, 1.0, rows=8), bucket(1, 2.0, rows=8192 * 2)]  # 4 MiB: over the first file's 1 MiB
-        small = list(ring.send(sent[:1], keep=1))[0]
-        mapped = open_shm_bucket(small)
-        big = list(ring.send(sent[1:], keep=1))[0]
-        assert big.shm[2] != small.shm[2]
-        assert bytes(open_shm_bucket(big).buffer) == bytes(sent[1].buffer)
-        assert bytes(mapped.buffer) == bytes(sent[0].buffer)  # the closed file lives while mapped
-    finally:
-        ring.close()
+def test_a_larger_bucket_gets_a_new_file_and_the_old_mapping_stays_valid(ring: SharedSegments) -> None:
+    sent = [bucket(0, 1.0, rows=8), bucket(1, 2.0, rows=8192 * 2)]  # 4 MiB: over the first file's 1 MiB
+    small = list(ring.send(sent[:1], keep=1))[0]
+    mapped = open_shm_bucket(small)
+    big = list(ring.send(sent[1:], keep=1))[0]
+    assert big.shm[2] != small.shm[2]
+    assert bytes(open_shm_bucket(big).buffer) == bytes(sent[1].buffer)
+    assert bytes(mapped.buffer) == bytes(sent[0].buffer)  # the closed file lives while mapped
 
 
-def test_bad_places_are_refused_by_name() -> None:
-    ring = SharedSegments()
-    try:
-        good = list(ring.send([bucket(0, 1.0)], keep=1))[0]
-        pid, fd, segment, sequence = good.shm
-        with pytest.raises(TransportError, match="is not the trainer's bucket file"):
-            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, fd, "0" * 32, sequence)))
-        with pytest.raises(TransportError, match="cannot open the trainer's shared memory /proc/.*needs the trainer"):
-            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, 987654, segment, sequence)))
-        with pytest.raises(TransportError, match="is no memory file"):
-            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, 0, segment, sequence)))  # stdin
-        with pytest.raises(TransportError, match="claims .* bytes, but its file holds"):
-            open_shm_bucket(BucketContents(0, good.tensors, 1 << 40, shm=good.shm))
-        for plain in [("1", fd, segment, 1), (pid, fd, "../../etc/passwd", 1), (pid, -1, segment, 1), (pid, fd, segment)]:
-            with pytest.raises(TransportError, match="is not \\(pid, fd, 32-hex segment id, sequence\\)"):
-                SegmentRef.from_plain(plain)
-    finally:
-        ring.close()
+def test_bad_places_are_refused_by_name(ring: SharedSegments) -> None:
+    good = list(ring.send([bucket(0, 1.0)], keep=1))[0]
+    pid, fd, segment, sequence = good.shm
+    with pytest.raises(TransportError, match="is not the trainer's bucket file"):
+        open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, fd, "0" * 32, sequence)))
+    with pytest.raises(TransportError, match="cannot open the trainer's shared memory /proc/.*needs the trainer"):
+        open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, 987654, segment, sequence)))
+    with pytest.raises(TransportError, match="is no memory file"):
+        open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, 0, segment, sequence)))  # stdin
+    with pytest.raises(TransportError, match="claims .* bytes, but its file holds"):
+        open_shm_bucket(BucketContents(0, good.tensors, 1 << 40, shm=good.shm))
+    for plain in [("1", fd, segment, 1), (pid, fd, "../../etc/passwd", 1), (pid, -1, segment, 1), (pid, fd, segment)]:
+        with pytest.raises(TransportError, match="is not \\(pid, fd, 32-hex segment id, sequence\\)"):
+            SegmentRef.from_plain(plain)
 
 
 def test_the_host_identity_names_boot_pid_namespace_and_user() -> None:
@@ -89,31 +80,23 @@ def test_the_host_identity_names_boot_pid_namespace_and_user() -> None:
     assert np.uint8  # numpy is what the files are viewed through
 
 
-def test_a_bucket_written_in_its_file_is_sent_without_a_copy() -> None:
-    ring = SharedSegments()
-    try:
-        with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=2)):
-            written = bucket(0, 1.5)
-        contents = list(ring.send([written], keep=2))[0]
-        mapped = open_shm_bucket(contents)
-        assert bytes(mapped.buffer) == bytes(written.buffer)
-        assert written.buffer.ctypes.data == ring._ring[0].data.ctypes.data  # the producer wrote into the file itself
-        # Outside the block a producer writes fresh memory again, which is copied in.
-        fresh = bucket(1, 2.5)
-        copied = list(ring.send([fresh], keep=2))[0]
-        assert fresh.buffer.ctypes.data != ring._ring[1].data.ctypes.data
-        assert bytes(open_shm_bucket(copied).buffer) == bytes(fresh.buffer)
-    finally:
-        ring.close()
+def test_a_bucket_written_in_its_file_is_sent_without_a_copy(ring: SharedSegments) -> None:
+    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=2)):
+        written = bucket(0, 1.5)
+    contents = list(ring.send([written], keep=2))[0]
+    mapped = open_shm_bucket(contents)
+    assert bytes(mapped.buffer) == bytes(written.buffer)
+    assert written.buffer.ctypes.data == ring._ring[0].data.ctypes.data  # the producer wrote into the file itself
+    # Outside the block a producer writes fresh memory again, which is copied in.
+    fresh = bucket(1, 2.5)
+    copied = list(ring.send([fresh], keep=2))[0]
+    assert fresh.buffer.ctypes.data != ring._ring[1].data.ctypes.data
+    assert bytes(open_shm_bucket(copied).buffer) == bytes(fresh.buffer)
 
 
-def test_a_file_taken_by_another_stream_while_a_bucket_was_written_in_it_is_refused() -> None:
-    ring = SharedSegments()
-    try:
-        with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
-            first = bucket(0, 1.0)
-            bucket(1, 2.0)  # another stream's producer takes the ring's only file before the first is sent
-        with pytest.raises(TransportError, match="bucket 0's shared memory was taken by another stream while it was written"):
-            list(ring.send([first], keep=1))
-    finally:
-        ring.close()
+def test_a_file_taken_by_another_stream_while_a_bucket_was_written_in_it_is_refused(ring: SharedSegments) -> None:
+    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
+        first = bucket(0, 1.0)
+        bucket(1, 2.0)  # another stream's producer takes the ring's only file before the first is sent
+    with pytest.raises(TransportError, match="bucket 0's shared memory was taken by another stream while it was written"):
+        list(ring.send([first], keep=1))

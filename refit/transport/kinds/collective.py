@@ -18,7 +18,7 @@ import torch
 from refit.errors import LifecycleError, TransportError
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketReceiver, BucketSender, CollectiveGroup, Rendezvous, receive_parts
-from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits
+from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits, deliver_to_workers
 
 __all__ = ["CollectiveTransport"]
 
@@ -50,7 +50,7 @@ class CollectiveTransport:
         return BucketSender(group).send(buckets)
 
     def deliver(self, bucket: Any, next_bucket_bytes: list[int | None] | None, sink: BucketSink, timeout_s: float) -> float:
-        return sink.receive_in_workers(list(bucket), list(next_bucket_bytes or ()))
+        return deliver_to_workers(bucket, next_bucket_bytes, sink)
 
     def prepare_worker(self) -> None:
         pass

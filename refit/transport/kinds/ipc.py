@@ -17,7 +17,7 @@ import torch
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
 from refit.transport.ipc import IpcSender, IpcTransport, open_ipc_bucket, require_cuda
-from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits
+from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits, deliver_to_workers
 
 __all__ = ["CudaIpcTransport"]
 
@@ -39,7 +39,7 @@ class CudaIpcTransport:
         return IpcSender(keep=handle.keep).send(buckets)
 
     def deliver(self, bucket: Any, next_bucket_bytes: list[int | None] | None, sink: BucketSink, timeout_s: float) -> float:
-        return sink.receive_in_workers(list(bucket), list(next_bucket_bytes or ()))
+        return deliver_to_workers(bucket, next_bucket_bytes, sink)
 
     def prepare_worker(self) -> None:
         require_cuda("this vLLM worker")

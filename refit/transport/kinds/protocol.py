@@ -26,7 +26,7 @@ from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvo
 from refit.transport.ipc import IpcTransport
 from refit.transport.shm import ShmHandle
 
-__all__ = ["BucketSink", "StreamHandle", "TransportKind", "TransportTraits"]
+__all__ = ["BucketSink", "StreamHandle", "TransportKind", "TransportTraits", "deliver_to_workers"]
 
 StreamHandle = Rendezvous | IpcTransport | ShmHandle | str
 """What the trainer's stream is told to send over: "ray", a collective group's `Rendezvous`, an `IpcTransport` or a
@@ -43,6 +43,11 @@ class BucketSink(Protocol):
     def receive_in_workers(self, contents: list[BucketContents], next_bucket_bytes: list[int | None]) -> float:
         """Hand the workers the parts' tables of contents; they receive the bytes over the transport."""
         ...
+
+
+def deliver_to_workers(bucket: Any, next_bucket_bytes: list[int | None] | None, sink: BucketSink) -> float:
+    """`deliver` for a transport whose stream carries contents (`TransportTraits.by_contents`): the workers receive."""
+    return sink.receive_in_workers(list(bucket), list(next_bucket_bytes or ()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,7 +20,7 @@ import torch
 from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
 from refit.transport.ipc import IpcTransport
-from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits
+from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits, deliver_to_workers
 from refit.transport.shm import ShmHandle, open_shm_bucket, refuse_rewritten, shared_segments
 
 __all__ = ["SharedMemoryTransport"]
@@ -45,7 +45,7 @@ class SharedMemoryTransport:
         return shared_segments().send(buckets, handle.keep)
 
     def deliver(self, bucket: Any, next_bucket_bytes: list[int | None] | None, sink: BucketSink, timeout_s: float) -> float:
-        return sink.receive_in_workers(list(bucket), list(next_bucket_bytes or ()))
+        return deliver_to_workers(bucket, next_bucket_bytes, sink)
 
     def prepare_worker(self) -> None:
         pass
