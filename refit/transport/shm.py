@@ -47,7 +47,8 @@ import numpy as np
 from refit.errors import TransportError, VerificationError
 from refit.transport.buckets import BucketContents, WireBucket
 
-__all__ = ["SegmentRef", "ShmHandle", "SharedSegments", "host_identity", "open_shm_bucket", "refuse_rewritten", "shared_segments"]
+__all__ = ["SegmentRef", "ShmHandle", "SharedSegments", "forget_unused_mappings", "host_identity", "open_shm_bucket",
+           "refuse_rewritten", "shared_segments"]
 
 _HEADER = 64  # segment id (16 bytes), sequence number (8), then padding: the bytes start cache-line aligned
 _MIN_CAPACITY = 1 << 20
@@ -241,6 +242,7 @@ class _Mapping:
 
 
 _mappings: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
+_used: set[str] = set()  # the files mapped since the worker's last update began
 _mappings_lock = threading.Lock()
 
 
@@ -252,7 +254,19 @@ def _mapping(ref: SegmentRef) -> _Mapping:
             while len(_mappings) > _MAPPINGS_KEPT:
                 _mappings.popitem(last=False)  # unmapped once no bucket's tensors view it any more
         _mappings.move_to_end(ref.segment)
+        _used.add(ref.segment)
         return mapping
+
+
+def forget_unused_mappings() -> int:
+    """At the start of a worker's update: unmap the files its last update did not read (a trainer that is gone or
+    replaced its files), so their pages are not held; the ring's files stay mapped. Returns how many were dropped."""
+    with _mappings_lock:
+        stale = [segment for segment in _mappings if segment not in _used]
+        for segment in stale:
+            del _mappings[segment]
+        _used.clear()
+        return len(stale)
 
 
 def open_shm_bucket(contents: BucketContents) -> WireBucket:

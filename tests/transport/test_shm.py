@@ -10,7 +10,14 @@ import torch
 
 from refit.errors import TransportError, VerificationError
 from refit.transport.buckets import BucketContents, buffers_from, pack_bucket
-from refit.transport.shm import SegmentRef, SharedSegments, host_identity, open_shm_bucket, refuse_rewritten
+from refit.transport.shm import (
+    SegmentRef,
+    SharedSegments,
+    forget_unused_mappings,
+    host_identity,
+    open_shm_bucket,
+    refuse_rewritten,
+)
 
 
 @pytest.fixture
@@ -100,3 +107,14 @@ def test_a_file_taken_by_another_stream_while_a_bucket_was_written_in_it_is_refu
         bucket(1, 2.0)  # another stream's producer takes the ring's only file before the first is sent
     with pytest.raises(TransportError, match="bucket 0's shared memory was taken by another stream while it was written"):
         list(ring.send([first], keep=1))
+
+
+def test_a_worker_unmaps_the_files_its_last_update_did_not_read(ring: SharedSegments) -> None:
+    forget_unused_mappings(), forget_unused_mappings()  # a clean slate: what earlier tests mapped
+    first = list(ring.send([bucket(0, 1.0)], keep=1))[0]
+    open_shm_bucket(first)
+    assert forget_unused_mappings() == 0  # read by the update that just ended: kept for the next
+    replaced = list(ring.send([bucket(1, 1.0, rows=8192 * 2)], keep=1))[0]  # too large: a new file replaces the first
+    open_shm_bucket(replaced)
+    assert forget_unused_mappings() == 1  # the replaced file, read one update ago
+    assert forget_unused_mappings() == 1  # and the new one, once an update went by without it

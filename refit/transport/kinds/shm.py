@@ -21,7 +21,7 @@ from refit.transport.buckets import BucketContents, WireBucket
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
 from refit.transport.ipc import IpcTransport
 from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits, deliver_to_workers
-from refit.transport.shm import ShmHandle, open_shm_bucket, refuse_rewritten, shared_segments
+from refit.transport.shm import ShmHandle, forget_unused_mappings, open_shm_bucket, refuse_rewritten, shared_segments
 
 __all__ = ["SharedMemoryTransport"]
 
@@ -48,7 +48,7 @@ class SharedMemoryTransport:
         return deliver_to_workers(bucket, next_bucket_bytes, sink)
 
     def prepare_worker(self) -> None:
-        pass
+        forget_unused_mappings()
 
     def receive(self, parts: list[BucketContents], receivers: list[BucketReceiver], next_bucket_bytes: Sequence[int | None],
                 device: torch.device) -> list[WireBucket]:
