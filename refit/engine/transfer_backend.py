@@ -148,7 +148,7 @@ class RefitInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RefitUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket of sync `version`: its tensors (`ray`), or its table of contents (`collective`, `ipc`)."""
+    """One bucket of sync `version`: its tensors (`ray`), or its table of contents (`collective`, `ipc`, `shm`)."""
 
     version: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)

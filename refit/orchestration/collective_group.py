@@ -41,7 +41,7 @@ class CollectiveGroupLifecycle:
         self._replicas: tuple[str, ...] = ()
 
     def connect(self, sync_id: str, members: list[tuple[str, Any]]) -> StreamHandle:
-        """What the trainer's stream is told to send over: "ray", an `IpcTransport`, or the collective group's rendezvous."""
+        """What the trainer's stream is told to send over: "ray", an `IpcTransport`, a `ShmHandle`, or the collective group's rendezvous."""
         return self.config.transport_kind.stream_handle(self.config.max_buckets_in_flight,
                                                         lambda: self._group_for(sync_id, members))
 

@@ -1,12 +1,13 @@
-"""The shm transport: a trainer and rollouts on one host share each bucket through a memory file, copied once.
+"""The shm transport: a trainer and rollouts on one host share each bucket through a memory file, written once.
 
 Why: between two processes of one host, Ray's object store copies every
 bucket into its store, and a second time between two Ray nodes (raylets copy
 objects between their stores even on one host); measured on a 2-core VM, the
 copy between raylets took as long as vLLM's load of the same bytes. Here the
-trainer copies each packed bucket into one of a few memory files
-(`memfd_create`) it owns, and only the table of contents and the file's
-place cross Ray and vLLM's RPC; each vLLM worker maps the file read-only and
+trainer writes each bucket into one of a few memory files (`memfd_create`)
+it owns (the quantizer straight into the file, through `buffers_from`; a
+bucket made elsewhere is copied in), and only the table of contents and
+the file's place cross Ray and vLLM's RPC; each vLLM worker maps the file read-only and
 loads from the mapping, in whichever process it runs.
 
 Why a ring of `keep` files, reused: a fresh buffer per bucket costs a page

@@ -38,7 +38,7 @@ def kind_of_handle(handle: Any) -> TransportKind:
     for kind in TRANSPORTS.values():
         if kind.handles(handle):
             return kind
-    raise TransportError(f"transport={handle!r}: expected 'ray', an IpcTransport or a collective group's Rendezvous")
+    raise TransportError(f"transport={handle!r}: expected 'ray', an IpcTransport, a ShmHandle or a collective group's Rendezvous")
 
 
 AUTO_CANDIDATES = ("shm", "ray", "collective")
