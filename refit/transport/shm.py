@@ -99,6 +99,9 @@ class _Segment:
     """One memory file of the trainer's, mapped read-write; never resized (a reader's mapping must stay valid)."""
 
     def __init__(self, capacity: int) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise TransportError("transport='shm' needs memory files (os.memfd_create: Linux), which this trainer's "
+                                 "platform lacks; use 'ray' or 'collective'")
         self.id = uuid.uuid4()
         self.fd = os.memfd_create(f"refit-bucket-{self.id.hex[:8]}", os.MFD_CLOEXEC)
         try:

@@ -118,3 +118,9 @@ def test_a_worker_unmaps_the_files_its_last_update_did_not_read(ring: SharedSegm
     open_shm_bucket(replaced)
     assert forget_unused_mappings() == 1  # the replaced file, read one update ago
     assert forget_unused_mappings() == 1  # and the new one, once an update went by without it
+
+
+def test_a_platform_without_memory_files_is_refused_by_name(ring: SharedSegments, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "memfd_create")
+    with pytest.raises(TransportError, match=r"transport='shm' needs memory files \(os.memfd_create: Linux\)"):
+        list(ring.send([bucket(0, 1.0)], keep=1))
