@@ -206,17 +206,12 @@ class SharedSegments:
             self._resize(0)
 
 
-_process_segments: SharedSegments | None = None
-_process_lock = threading.Lock()
+_PROCESS_SEGMENTS = SharedSegments()  # no file exists until a bucket needs one
 
 
 def shared_segments() -> SharedSegments:
     """This process's ring (one per trainer process: the memory files are the process's, like its GPU memory)."""
-    global _process_segments
-    with _process_lock:
-        if _process_segments is None:
-            _process_segments = SharedSegments()
-        return _process_segments
+    return _PROCESS_SEGMENTS
 
 
 # -- the worker's end --------------------------------------------------------------------------
@@ -281,7 +276,7 @@ def open_shm_bucket(contents: BucketContents) -> WireBucket:
     mapping = _mapping(ref)
     if contents.nbytes > mapping.data.nbytes:
         raise TransportError(f"bucket {contents.index} claims {contents.nbytes} bytes, but its file holds {mapping.data.nbytes}")
-    refuse_rewritten(contents)
+    _refuse_other_bucket(contents.index, ref, mapping)
     return contents.with_bytes(mapping.data)
 
 
@@ -289,10 +284,14 @@ def refuse_rewritten(contents: BucketContents) -> None:
     """Raise `VerificationError` if the bucket's file holds another bucket than `contents` names (rewritten before or
     while it was read)."""
     ref = SegmentRef.from_plain(contents.shm)
-    found = int(_mapping(ref).sequence[0])
+    _refuse_other_bucket(contents.index, ref, _mapping(ref))
+
+
+def _refuse_other_bucket(index: int, ref: SegmentRef, mapping: _Mapping) -> None:
+    found = int(mapping.sequence[0])
     if found != ref.sequence:  # a verification failure: a replica that loaded nothing of the update serves on
         raise VerificationError(
-            f"bucket {contents.index}'s shared memory was rewritten (it holds the trainer's bucket #{found}, not "
+            f"bucket {index}'s shared memory was rewritten (it holds the trainer's bucket #{found}, not "
             f"#{ref.sequence}) before this worker finished loading it: the trainer ran more than its ring of buckets "
             "ahead, or another sync streamed from the same trainer meanwhile; this update is refused"
         )

@@ -53,8 +53,8 @@ def choose_transport(senders: Mapping[str, Mapping[str, Any]], replicas: Mapping
     answer, `{"accepts": [names], "device": "cpu" | "cuda" | ..., "host": str}` (`host`: `refit.transport.shm.
     host_identity`, empty if unknown). In order:
 
-    1. `shm` where every member takes it and all share one host: one copy into memory the workers map, where Ray
-       copies each bucket into its object store, and again between two Ray nodes.
+    1. `shm` where every member takes it and all share one host: each bucket written once, into memory the
+       workers map, where Ray copies each bucket into its object store, and again between two Ray nodes.
     2. `ray` wherever every member takes it: each replica fetches whole buckets or deltas as its own base needs,
        and a replica lost mid-stream is dropped while the others go on.
     3. `collective` (an AsyncLLM or `vllm serve` replica off the trainer's host, whose engine core runs in
