@@ -35,16 +35,16 @@ def test_a_tag_binds_the_bytes_to_their_entry_and_the_key():
     assert not tag_matches(KEY, "w|int32|[1000]|0", data, "crc:" + good[3:])  # an unknown algorithm
 
 
-def test_hmac_tags_verify_where_cryptography_is_missing_and_a_poly1305_tag_names_the_package(monkeypatch):
+def test_hmac_tags_verify_where_cryptography_is_missing_and_a_gmac_tag_names_the_package(monkeypatch):
     data = torch.randn(300, 300)
-    poly1305_tag = tag(KEY, "x", data)
-    assert poly1305_tag.startswith("p1:")
-    monkeypatch.setattr(integrity, "Poly1305", None)
+    gmac_tag = tag(KEY, "x", data)
+    assert gmac_tag.startswith("gm:") and len(gmac_tag) == 3 + 32  # GCM's full 16-byte tag
+    monkeypatch.setattr(integrity, "AESGCM", None)
     hmac_tag = tag(KEY, "x", data)
     assert hmac_tag.startswith("hs:") and tag_matches(KEY, "x", data, hmac_tag)
     assert not tag_matches(KEY, "y", data, hmac_tag)
     with pytest.raises(ModuleNotFoundError, match="install the `cryptography` package"):
-        tag_matches(KEY, "x", data, poly1305_tag)
+        tag_matches(KEY, "x", data, gmac_tag)
 
 
 def test_a_tagged_bucket_loads_and_the_plan_never_shows_its_key():
