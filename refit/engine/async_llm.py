@@ -45,6 +45,7 @@ from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
+from refit.engine.worker_rpc import TYPED_CALL, results_of
 from refit.errors import ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
@@ -274,7 +275,8 @@ class AsyncLLMAdapter:
         return None
 
     def call_workers(self, method: str, *args: Any) -> list:
-        return self._run(self.llm.collective_rpc(method, args=args))
+        # The workers are in the engine core's process: errors come back as data, raised again here with their type.
+        return results_of(self._run(self.llm.collective_rpc(TYPED_CALL, args=(method, *args))))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, prompt_logprobs: bool = False) -> Generation:
         """One request per prompt, past the gate (the post-refit stage and the probe run while it is closed)."""

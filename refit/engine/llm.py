@@ -27,6 +27,7 @@ from refit.engine.config import EngineConfig
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, Serving
 from refit.engine.spec_decode import spec_decode_counts
+from refit.engine.worker_rpc import TYPED_CALL, results_of
 from refit.errors import ConfigError, EngineError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
@@ -83,6 +84,9 @@ class LLMAdapter:
         self.llm = llm
         self.facts = EngineFacts.of(llm.llm_engine.vllm_config)
         self.engine_core_in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
+        # Workers in this process raise their own errors; from another, vLLM's RPC keeps only the message, so the
+        # errors come back as data (`refit_typed_call`) and are raised again with their type.
+        self._workers_in_process = self.engine_core_in_process and llm.llm_engine.vllm_config.parallel_config.world_size == 1
         self.lora_rank = lora_rank_of(llm.llm_engine.vllm_config)
         # `collective_rpc` runs on the calling thread, beside a `generate` on another: never while one runs.
         self.worker_calls_beside_requests = False
@@ -102,7 +106,9 @@ class LLMAdapter:
         return None
 
     def call_workers(self, method: str, *args: Any) -> list:
-        return self.llm.collective_rpc(method, args=args)
+        if self._workers_in_process:
+            return self.llm.collective_rpc(method, args=args)
+        return results_of(self.llm.collective_rpc(TYPED_CALL, args=(method, *args)))
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -31,6 +31,7 @@ weight-transfer backend (which does) only when a worker calls it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +53,12 @@ from refit.transport.kinds import transport_kind
 if TYPE_CHECKING:
     from refit.engine.transfer_backend import RefitTransferBackend
 
-__all__ = ["SERVER_METHODS", "RefitWorkerExtension", "WorkerCalls", "decode_reply", "encode_call", "max_over_ranks"]
+__all__ = [
+    "SERVER_METHODS", "WORKER_METHODS", "RefitWorkerExtension", "WorkerCalls", "decode_reply", "encode_call", "max_over_ranks",
+    "TYPED_CALL", "results_of",
+]
+
+log = logging.getLogger(__name__)
 
 AmaxRows = list[tuple[str, str, float]]  # (attention module, scale name, amax)
 
@@ -148,13 +154,27 @@ class RefitWorkerExtension:
         """
         try:
             method, args = _parse_call(payload)
-            result = getattr(self, method)(*args)
-            try:
-                return json.dumps({"ok": True, "result": result})
-            except (TypeError, ValueError):
-                raise EngineError(f"{method} returned {type(result).__name__}, which is not JSON") from None
-        except Exception as error:  # noqa: BLE001 - every failure is the caller's to raise
-            return json.dumps({"ok": False, "type": type(error).__name__, "message": str(error)})
+        except ConfigError as error:
+            return json.dumps(_failure(error))
+        answer = _answer(self, method, args)
+        try:
+            return json.dumps(answer)
+        except (TypeError, ValueError):
+            return json.dumps(_failure(EngineError(f"{method} returned {type(answer['result']).__name__}, which is not JSON")))
+
+    def refit_typed_call(self, method: str, *args: Any) -> dict[str, Any]:
+        """`method(*args)`, one of `WORKER_METHODS`, on this worker: its result or its error, as data (`results_of`).
+
+        Why: vLLM's RPC raises a failure in a worker of another process (an
+        engine core of its own, tensor-parallel workers) as a plain
+        `Exception` that keeps only the message, and the replica needs the
+        type. A bucket refused before any byte of it was loaded (a
+        `VerificationError`, an `InvalidTensorError`) leaves the model as it
+        was, so the replica serves on; any other failure may not have.
+        """
+        if method not in WORKER_METHODS:
+            return _failure(ConfigError(f"refit_typed_call refuses method {method!r}: not one of refit's worker RPCs"))
+        return _answer(self, method, args)
 
     def refit_engine_facts(self) -> dict[str, Any]:
         """The `EngineFacts` of this worker's engine as plain data (`EngineFacts.from_plain`), for a replica that
@@ -262,6 +282,12 @@ SERVER_METHODS = frozenset({
 })
 """The worker methods `refit_call` runs for a server's `/collective_rpc`; any other name is refused."""
 
+TYPED_CALL = "refit_typed_call"
+"""The worker method through which an engine adapter whose workers are in other processes calls the others."""
+
+WORKER_METHODS = SERVER_METHODS | {"refit_add_adapter", "refit_remove_adapter"}
+"""Every worker method a replica calls (`WorkerCalls`, the server adapter); `refit_typed_call` runs only these."""
+
 
 def encode_call(method: str, *args: Any) -> str:
     """The payload of `RefitWorkerExtension.refit_call` for `method(*args)`: a JSON string, as `/collective_rpc` takes."""
@@ -279,12 +305,40 @@ def decode_reply(reply: Any) -> tuple[bool, Any]:
         answer = json.loads(reply)
     except ValueError as error:
         raise ValueError(f"a worker's answer is not JSON ({error}): {reply[:80]!r}") from None
+    return _unwrap(answer, reply)
+
+
+def results_of(answers: list[Any]) -> list[Any]:
+    """Each worker's result from `refit_typed_call`'s answers; raises the first worker's error as refit's exception."""
+    results = []
+    for answer in answers:
+        ok, value = _unwrap(answer, answer)
+        if not ok:
+            raise value
+        results.append(value)
+    return results
+
+
+def _answer(worker: Any, method: str, args: Sequence[Any]) -> dict[str, Any]:
+    try:
+        return {"ok": True, "result": getattr(worker, method)(*args)}
+    except Exception as error:  # noqa: BLE001 - every failure is the caller's to raise
+        # The caller sees the type and message only: where it came from is logged here, beside the worker.
+        log.log(logging.DEBUG if isinstance(error, RefitError) else logging.ERROR, "worker %s failed", method, exc_info=True)
+        return _failure(error)
+
+
+def _failure(error: Exception) -> dict[str, Any]:
+    return {"ok": False, "type": type(error).__name__, "message": str(error)}
+
+
+def _unwrap(answer: Any, shown: Any) -> tuple[bool, Any]:
     if isinstance(answer, dict) and answer.get("ok") is True and "result" in answer:
         return True, answer["result"]
     if (isinstance(answer, dict) and answer.get("ok") is False and isinstance(answer.get("type"), str)
             and isinstance(answer.get("message"), str)):
         return False, worker_error(answer["type"], answer["message"])
-    raise ValueError(f"a worker's answer is not refit_call's shape: {reply[:80]!r}")
+    raise ValueError(f"a worker's answer is not refit's answer shape: {str(shown)[:80]!r}")
 
 
 def worker_error(type_name: str, message: str) -> Exception:

@@ -13,7 +13,15 @@ import pytest
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.engine.server import GATE_MIDDLEWARE, key_argument, serve_arguments, serve_environment, serve_key
 from refit.engine.server_gate import DUMMY_ENV
-from refit.engine.worker_rpc import SERVER_METHODS, RefitWorkerExtension, WorkerCalls, decode_reply, encode_call
+from refit.engine.worker_rpc import (
+    SERVER_METHODS,
+    WORKER_METHODS,
+    RefitWorkerExtension,
+    WorkerCalls,
+    decode_reply,
+    encode_call,
+    results_of,
+)
 from refit.errors import ConfigError, EngineError, ServerError, VerificationError
 from refit.plan.config import Transport
 from refit.provenance import KvScalePolicy
@@ -94,6 +102,23 @@ def test_refit_call_refuses_a_method_outside_its_allow_list(method):
     assert str(error).startswith(f"refit_call refuses method {method!r}: only refit's worker methods can be called")
 
 
+def test_a_typed_call_answers_as_data_and_results_of_raises_the_workers_error_with_its_type():
+    """Workers in another process answer through vLLM's RPC, which keeps only an error's message: refit's own errors
+    come back as data, so that the replica can tell a bucket refused before loading from any other failure."""
+    worker = _Worker()
+    answers = [worker.refit_typed_call("refit_streamed"), worker.refit_typed_call("update_weights", {"v": 1})]
+    assert results_of(answers) == [["a", "b"], {"v": 1}]
+    with pytest.raises(VerificationError, match="^a refit error keeps its type$"):
+        results_of([answers[0], worker.refit_typed_call("refit_scale_records")])
+    with pytest.raises(EngineError, match="^_Unpicklable: kept as text$"):
+        results_of([worker.refit_typed_call("refit_base_digest")])
+    for method in ("add", "refit_typed_call", "__init__"):
+        with pytest.raises(ConfigError, match=f"refit_typed_call refuses method {method!r}"):
+            results_of([worker.refit_typed_call(method, 2, 3)])
+    with pytest.raises(ValueError, match="not refit's answer shape"):
+        results_of([["a", "b"]])  # a worker that answered the call itself, not refit_typed_call
+
+
 def test_every_rpc_of_worker_calls_is_in_the_allow_list():
     """`WorkerCalls` is the replica's end for a server too: each of its methods must reach the workers."""
     from refit.plan.transfer_plan import QuantizeOn, TransferPlan
@@ -108,6 +133,7 @@ def test_every_rpc_of_worker_calls_is_in_the_allow_list():
     calls.apply_kv_policy(KvScalePolicy.AUTO, 1, None), calls.scale_records()
     calls.join_group(Rendezvous("127.0.0.1", 1, "g", ("trainer", "worker"), 5.0), 0)
     assert {m for m, _ in called} | {"refit_engine_facts", "refit_boot_id"} == SERVER_METHODS
+    assert SERVER_METHODS | {"refit_add_adapter", "refit_remove_adapter"} == WORKER_METHODS  # LoRA: never over HTTP
     for _, args in called:  # every argument crosses HTTP as JSON
         json.dumps(args)
     (plan_args,) = [args for method, args in called if method == "refit_start_update"]

@@ -178,3 +178,22 @@ def test_the_post_refit_stage_and_the_probe_run_while_requests_are_held(setup):
     calibrated = [r for r in ray.get(rollout.scale_records.remote())
                   if r.source is ScaleSource.CALIBRATED and r.version == report.version]
     assert {r.scale for r in calibrated} == {"q_scale", "k_scale", "v_scale"} and len(calibrated) == 6
+
+
+def test_a_bucket_its_worker_refuses_keeps_the_version_served_under_load(setup):
+    """The worker that checks a bucket's tags runs in another process: its refusal crosses vLLM's RPC with its type
+    (refit_typed_call), so the replica knows nothing was loaded and serves on, through the failed sync, without
+    failing a request."""
+    from tests.support.faults import tamper_next_stream
+
+    trainer, rollout = setup
+    config = refit.SyncConfig(transport="collective", delta="off", timeout_s=SYNC_TIMEOUT_S)
+    with refit.Syncer(trainer, rollout, config) as syncer:
+        served = syncer.sync().version
+        run_in(trainer, tamper_next_stream, "forged")
+        with Load(rollout) as load, pytest.raises(refit.VerificationError, match=r"arrived altered .* in: model\.embed_tokens\.weight"):
+            syncer.sync()
+        state = ray.get(rollout.status.remote(), timeout=60)
+        assert (state.phase, state.served_version) == (Phase.SERVING, served), state
+        assert load.failed == [] and {c.version for _, c in load.done} == {served}
+        assert syncer.sync().version > served  # the next, honest stream
