@@ -24,6 +24,13 @@ server's key, `refit serve`'s gate, says who may send it). The replica
 raises a worker's error as refit's error class of that name
 (refit/errors.py), else as `EngineError` naming the type.
 
+Engines whose workers run in other processes (an AsyncLLM, a `vllm.LLM`
+with its engine core in its own process or tensor parallel workers) call
+every method through `refit_typed_call`, which answers the same result or
+error as data: vLLM's RPC raises a worker's failure again as a plain
+`Exception` that keeps only its message, and the replica needs the type to
+tell a bucket refused before loading (it serves on) from any other failure.
+
 Importing this module does not import vLLM: the worker end reaches refit's
 weight-transfer backend (which does) only when a worker calls it.
 """
