@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from refit.adapters import AdapterWeights, ServedAdapter
-from refit.engine.config import EngineConfig
+from refit.engine.config import EngineConfig, refuse_engine_without_refit
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
@@ -187,6 +187,7 @@ class AsyncLLMAdapter:
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        refuse_engine_without_refit(llm.vllm_config)
         self.facts = EngineFacts.of(llm.vllm_config)
         self.lora_rank = lora_rank_of(llm.vllm_config)
         self.worker_calls_beside_requests = True  # they queue in the engine core between its steps

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from refit.engine.config import EngineConfig
+from refit.engine.config import EngineConfig, refuse_engine_without_refit
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, Serving
 from refit.engine.spec_decode import spec_decode_counts
@@ -82,6 +82,7 @@ class LLMAdapter:
         from vllm.v1.engine.core_client import InprocClient
 
         self.llm = llm
+        refuse_engine_without_refit(llm.llm_engine.vllm_config)
         self.facts = EngineFacts.of(llm.llm_engine.vllm_config)
         self.engine_core_in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
         # Workers in this process raise their own errors; from another, vLLM's RPC keeps only the message, so the

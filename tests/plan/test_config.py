@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from refit import ConfigError, EngineConfig, QuantizeOn, SyncConfig
+from refit.engine.config import TRANSFER_BACKEND, WORKER_EXTENSION, refuse_engine_without_refit
+from refit.engine.worker_rpc import RefitWorkerExtension
 from refit.provenance import KvScalePolicy
 
 REPO = Path(__file__).parents[2]
@@ -115,3 +117,26 @@ def test_verification_settings_are_checked():
     message = str(error.value)
     assert "verify='sha': expected one of ['off', 'checksums', 'probe']" in message
     assert "on_probe_breach='ignore'" in message and "progress='yes'" in message
+
+
+class _OwnExtension(RefitWorkerExtension):
+    """A user's worker extension built on refit's."""
+
+
+def test_an_engine_started_without_refits_engine_kwargs_is_refused_naming_each_setting():
+    from types import SimpleNamespace
+
+    def vllm_config(extension: str, backend: str | None):
+        transfer = None if backend is None else SimpleNamespace(backend=backend)
+        return SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=extension), weight_transfer_config=transfer)
+
+    with pytest.raises(ConfigError, match=r"not started with refit\.engine_kwargs\(\) merged into its arguments: "
+                                          r"worker_extension_cls is '', not 'refit\.engine\.worker_rpc\.RefitWorkerExtension' "
+                                          r"or a subclass; weight_transfer_config's backend is None, not 'refit'$"):
+        refuse_engine_without_refit(vllm_config("", None))
+    with pytest.raises(ConfigError, match=r"backend is 'nccl', not 'refit'$"):
+        refuse_engine_without_refit(vllm_config(WORKER_EXTENSION, "nccl"))
+    with pytest.raises(ConfigError, match=r"worker_extension_cls is 'no\.such\.Module'"):
+        refuse_engine_without_refit(vllm_config("no.such.Module", TRANSFER_BACKEND))
+    refuse_engine_without_refit(vllm_config(WORKER_EXTENSION, TRANSFER_BACKEND))
+    refuse_engine_without_refit(vllm_config(f"{__name__}._OwnExtension", TRANSFER_BACKEND))

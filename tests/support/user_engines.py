@@ -61,3 +61,18 @@ class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
         done = [await self.replica.serve(p, max_tokens) for p in prompts]
         return [c.token_ids for c in done], [c.logprobs for c in done]
 
+
+
+@ray.remote(max_calls=1)  # the engine goes with the task's process
+def replica_of_an_engine_without_refit(model_dir: str, kv_cache_bytes: int) -> str:
+    """Start a `vllm.LLM` the way a user who forgot `refit.engine_kwargs()` would, and make it a replica: what refit
+    said (the error's message), or "accepted"."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    llm = LLM(model=model_dir, **ENGINE, kv_cache_memory_bytes=kv_cache_bytes)  # on a CPU vLLM would take 92% otherwise
+    try:
+        refit.llm_replica(llm)
+    except refit.ConfigError as error:
+        return str(error)
+    return "accepted"

@@ -25,8 +25,9 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, make_prompts, model_dir
 from refit import Phase
+from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.lora import LORA
-from tests.support.user_engines import LORA_RANK, UserAsyncLLMRollout, UserLLMRollout
+from tests.support.user_engines import LORA_RANK, UserAsyncLLMRollout, UserLLMRollout, replica_of_an_engine_without_refit
 
 KINDS = ["llm", "async_llm"]
 PROMPTS = make_prompts(4, 8, seed=5)
@@ -125,3 +126,13 @@ def test_an_adapter_sync_reaches_every_replica_kind_and_each_serves_what_the_ref
     assert _generate("reference", kinds["reference"], PROMPTS)[1] != before[1]  # the adapter is served
     for kind in KINDS:
         _serves_what_the_reference_serves(kinds, kind)
+
+
+def test_an_engine_started_without_refits_arguments_is_refused_naming_them(ray_cluster):
+    """Forgetting `refit.engine_kwargs()` is refused where the replica is made, naming what is missing, rather than
+    at the first sync by a worker without refit's methods."""
+    task = replica_of_an_engine_without_refit.options(num_cpus=0, resources={"node1": 0.01})
+    message = ray.get(task.remote(str(model_dir(True, "bf16")), TEST_KV_CACHE_BYTES), timeout=600)  # mostly vLLM's start
+    assert message.startswith("this engine was not started with refit.engine_kwargs() merged into its arguments: "
+                              "worker_extension_cls is ''"), message
+    assert "weight_transfer_config's backend is " in message and "not 'refit'" in message
