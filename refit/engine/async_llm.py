@@ -40,12 +40,12 @@ from typing import Any
 import torch
 
 from refit.adapters import AdapterWeights, ServedAdapter
-from refit.engine.config import EngineConfig, refuse_engine_without_refit
+from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
-from refit.engine.worker_rpc import TYPED_CALL, results_of
+from refit.engine.worker_rpc import TYPED_CALL, refuse_engine_without_refit, results_of
 from refit.errors import ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig

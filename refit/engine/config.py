@@ -10,7 +10,6 @@ one, does not fit.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +18,7 @@ from typing import Any, Literal
 from refit.engine.vllm_logs import quiet_benign_vllm_warnings
 from refit.errors import ConfigError
 
-__all__ = [
-    "DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION", "engine_kwargs",
-    "refuse_engine_without_refit",
-]
+__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION", "engine_kwargs"]
 
 TRANSFER_BACKEND = "refit"
 """The name refit's weight-transfer backend is registered under in vLLM (refit/engine/transfer_backend.py)."""
@@ -223,34 +219,3 @@ def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = No
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
     return kwargs | lora_settings(lora_rank)
 
-
-def refuse_engine_without_refit(vllm_config: Any) -> None:
-    """Raise `ConfigError`, naming each setting, if a running engine lacks what `engine_kwargs()` adds: refit's worker
-    extension (its class or a subclass) and its weight-transfer backend.
-
-    Why at once: without them no worker answers a sync's calls, and the first sync would fail on an attribute
-    missing in a worker, far from the engine's arguments that lack it.
-    """
-    problems = []
-    extension = str(getattr(vllm_config.parallel_config, "worker_extension_cls", "") or "")
-    if not _is_refit_extension(extension):
-        problems.append(f"worker_extension_cls is {extension!r}, not {WORKER_EXTENSION!r} or a subclass")
-    backend = getattr(getattr(vllm_config, "weight_transfer_config", None), "backend", None)
-    if backend != TRANSFER_BACKEND:
-        problems.append(f"weight_transfer_config's backend is {backend!r}, not {TRANSFER_BACKEND!r}")
-    if problems:
-        raise ConfigError("this engine was not started with refit.engine_kwargs() merged into its arguments: "
-                          + "; ".join(problems))
-
-
-def _is_refit_extension(qualname: str) -> bool:
-    if qualname == WORKER_EXTENSION:
-        return True
-    module, _, name = qualname.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name, None) if module else None
-    except ImportError:
-        return False
-    from refit.engine.worker_rpc import RefitWorkerExtension
-
-    return isinstance(cls, type) and issubclass(cls, RefitWorkerExtension)

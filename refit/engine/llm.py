@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from refit.engine.config import EngineConfig, refuse_engine_without_refit
+from refit.engine.config import EngineConfig
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, Serving
 from refit.engine.spec_decode import spec_decode_counts
-from refit.engine.worker_rpc import TYPED_CALL, results_of
+from refit.engine.worker_rpc import TYPED_CALL, refuse_engine_without_refit, results_of
 from refit.errors import ConfigError, EngineError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig

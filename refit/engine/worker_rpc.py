@@ -37,6 +37,7 @@ weight-transfer backend (which does) only when a worker calls it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ import torch
 
 from refit import errors
 from refit.adapters.weights import AdapterWeights
+from refit.engine.config import TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.errors import ConfigError, EngineError, RefitError
 from refit.plan.config import Transport
 from refit.plan.transfer_plan import DRAFT_PREFIX, TransferPlan
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SERVER_METHODS", "WORKER_METHODS", "RefitWorkerExtension", "WorkerCalls", "decode_reply", "encode_call", "max_over_ranks",
-    "TYPED_CALL", "results_of",
+    "TYPED_CALL", "refuse_engine_without_refit", "results_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -391,3 +393,33 @@ def max_over_ranks(per_rank: list[AmaxRows]) -> AmaxRows:
         for module, scale, value in rows:
             amax[(module, scale)] = max(amax.get((module, scale), 0.0), value)
     return [(module, scale, value) for (module, scale), value in amax.items()]
+
+
+def refuse_engine_without_refit(vllm_config: Any) -> None:
+    """Raise `ConfigError`, naming each setting, if a running engine lacks what `engine_kwargs()` adds: refit's worker
+    extension (its class or a subclass) and its weight-transfer backend.
+
+    Why at once: without them no worker answers a sync's calls, and the first sync would fail on an attribute
+    missing in a worker, far from the engine's arguments that lack it.
+    """
+    problems = []
+    extension = str(getattr(vllm_config.parallel_config, "worker_extension_cls", "") or "")
+    if not _is_refit_extension(extension):
+        problems.append(f"worker_extension_cls is {extension!r}, not {WORKER_EXTENSION!r} or a subclass")
+    backend = getattr(getattr(vllm_config, "weight_transfer_config", None), "backend", None)
+    if backend != TRANSFER_BACKEND:
+        problems.append(f"weight_transfer_config's backend is {backend!r}, not {TRANSFER_BACKEND!r}")
+    if problems:
+        raise ConfigError("this engine was not started with refit.engine_kwargs() merged into its arguments: "
+                          + "; ".join(problems))
+
+
+def _is_refit_extension(qualname: str) -> bool:
+    if qualname == WORKER_EXTENSION:
+        return True
+    module, _, name = qualname.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return False
+    return isinstance(cls, type) and issubclass(cls, RefitWorkerExtension)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from refit import ConfigError, EngineConfig, QuantizeOn, SyncConfig
-from refit.engine.config import TRANSFER_BACKEND, WORKER_EXTENSION, refuse_engine_without_refit
-from refit.engine.worker_rpc import RefitWorkerExtension
+from refit.engine.config import TRANSFER_BACKEND, WORKER_EXTENSION
+from refit.engine.worker_rpc import RefitWorkerExtension, refuse_engine_without_refit
 from refit.provenance import KvScalePolicy
 
 REPO = Path(__file__).parents[2]
