@@ -281,7 +281,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             raise LifecycleError("a bucket's contents arrived, but this update was not told its plan (expect_plan)")
         kind = self._kind
         if any(part.ipc_handle is not None for part in parts) and not kind.traits.opens_ipc_handles:
-            # A handle is unpickled to open it: only where this update expects one.
+            # A handle opens another process's GPU memory: only where this update expects one.
             raise LifecycleError(f"a bucket arrived with CUDA IPC handles during a {kind.name} update; refused")
         if any(part.shm is not None for part in parts) and not kind.traits.maps_shared_memory:
             raise LifecycleError(f"a bucket arrived naming shared memory during a {kind.name} update; refused")

@@ -379,8 +379,8 @@ def _parse_call(payload: Any) -> tuple[str, list]:
                           "(its bytes arrive over the collective group); tensors never cross HTTP")
     if method == "update_weights" and any(not isinstance(part, list) or len(part) != 5 or part[3:] != [None, None]
                                           for part in args[0]["contents"] or [None]):
-        # A part's fourth field is a CUDA IPC handle, which a worker unpickles, and its fifth a memory file of the
-        # trainer's, which a worker opens: never from the network.
+        # A part's fourth field is a CUDA IPC handle, which a worker opens as GPU memory, and its fifth a memory file of
+        # the trainer's, which a worker maps: never from the network.
         raise ConfigError("update_weights through a server's /collective_rpc takes contents without IPC handles or "
                           "shared-memory files (a vllm serve replica refuses the ipc and shm transports)")
     return method, args

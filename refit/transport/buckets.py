@@ -81,7 +81,7 @@ class BucketContents:
 
     The collective transport broadcasts the bytes into the workers' buffers;
     the ipc transport leaves them in the trainer's GPU memory and sends a
-    CUDA IPC handle (`ipc_handle`, pickled) to open them with; the shm
+    CUDA IPC handle (`ipc_handle`, JSON: `refit.transport.ipc.encode_handle`) to open them with; the shm
     transport leaves them in a memory file of the trainer's and sends its
     place (`shm`, a `refit.transport.shm.SegmentRef` as plain values).
     """

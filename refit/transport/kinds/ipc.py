@@ -3,8 +3,8 @@
 Why no deltas: trainer and rollout share the GPU, so there is no wire to
 save, and a base would be a second copy of the model. Only the handles
 cross Ray and vLLM's RPC, so any engine layout is reached, except a `vllm
-serve` server: a handle is unpickled to open it, never from the network
-(refit/transport/ipc.py).
+serve` server: a handle opens another process's GPU memory, never from
+the network (refit/transport/ipc.py).
 """
 
 from __future__ import annotations

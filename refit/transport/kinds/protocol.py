@@ -74,7 +74,8 @@ class TransportTraits:
     reaches_server: bool = False
     """Whether a `vllm serve` replica can take it (its bytes must not cross HTTP)."""
     opens_ipc_handles: bool = False
-    """Whether a worker may open CUDA IPC handles a bucket's contents carry (unpickled: only where expected)."""
+    """Whether a worker may open CUDA IPC handles a bucket's contents carry (another process's GPU memory: only where
+    expected)."""
     maps_shared_memory: bool = False
     """Whether a worker may map the trainer's memory file a bucket's contents name (only where expected)."""
     one_host: bool = False
