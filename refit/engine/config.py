@@ -218,4 +218,3 @@ def engine_kwargs(*, on_gpu: bool | None = None, kv_cache_bytes: int | None = No
     if kv_cache_bytes is not None or not on_gpu:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
     return kwargs | lora_settings(lora_rank)
-
