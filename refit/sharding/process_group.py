@@ -8,7 +8,9 @@ within it instead of hanging for gloo's and NCCL's default 30 minutes.
 from __future__ import annotations
 
 import datetime
+import secrets
 import socket
+from pathlib import Path
 
 import torch
 
@@ -18,11 +20,33 @@ from refit.transport.devices import backend_for_this_machine
 __all__ = ["free_port", "init_trainer_group"]
 
 
+# Ray's worker processes listen on 10002-19999 by default; ports above these and below the kernel's ephemeral range
+# are taken only by a process that asks for one by number.
+_PORTS_ABOVE = 20000
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (for rank 0's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on this host now (rank 0's rendezvous, a test's `vllm serve`) that nothing takes unasked
+    before its owner binds it.
+
+    Not one that `bind(("", 0))` hands out: those come from the ephemeral range, from which every outgoing
+    connection (Ray's, vLLM's) also takes its local port. On a busy machine a `vllm serve` binds its port minutes
+    after the pick, and one of those connections had taken it in between.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:  # not Linux: the kernel's pick
+        low = 0
+    for _ in range(200):
+        # A host whose ephemeral range starts low leaves no such ports: there, the kernel's pick, as before.
+        port = _PORTS_ABOVE + secrets.randbelow(low - _PORTS_ABOVE) if low > _PORTS_ABOVE + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free port between {_PORTS_ABOVE} and the ephemeral range's start, {low}")
 
 
 def init_trainer_group(rank: int, world_size: int, address: str, port: int, timeout_s: float):

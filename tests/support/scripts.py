@@ -19,7 +19,10 @@ def run_python(args: list[str], timeout: float = 1800, *, ray_address: str | Non
     busy elsewhere (its three engines' start alone can take most of it), so
     the guard is 30 minutes.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray_address} if ray_address else {})}
+    # Actors' logs stay in Ray's log files, out of the script's stdout: Ray's thread that forwards them to a driver
+    # writes beside the script's own prints, and on a busy machine it spliced a log line into a printed one.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_LOG_TO_DRIVER": "0",
+           **({"RAY_ADDRESS": ray_address} if ray_address else {})}
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout

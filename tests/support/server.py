@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,16 +24,10 @@ import ray
 from actors._replica_shell import CONCURRENCY_GROUPS, ReplicaShell
 from fixtures.cluster import QUIET_ENV
 from refit.engine.server import server_replica
+from refit.sharding.process_group import free_port
 from tests.support.scripts import REPO
 
 __all__ = ["RefitServer", "ServerHoldingUsers", "ServerSignalledAfterBegin", "free_port", "http_json"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, body: dict | None = None, *, key: str | None = None, timeout_s: float = 600,
