@@ -17,7 +17,7 @@ def test_plan_lists_every_tensor_with_its_form(capsys):
     assert sum(row[-2] == "fp8_block" for row in rows) == 14
     head = next(row for row in rows if row[1] == "lm_head.weight")
     assert head[2] == "model.embed_tokens.weight" and head[-2] == "bfloat16" and head[-1] == "0"  # a copy: not sent
-    assert "24 tensors (and 1 loaded from their bytes) in 3 buckets" in out
+    assert "24 tensors (and 1 loaded from their bytes) in 4 buckets" in out
 
 
 def test_plan_of_the_moe_pair_shows_each_expert_as_an_fp8_target_cut_from_its_fused_parameter(capsys):

@@ -69,7 +69,8 @@ class Draft(StrEnum):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncConfig:
     bucket_bytes: int = 64 << 20
-    """Upper bound of one bucket's wire bytes; a larger tensor travels alone."""
+    """Upper bound of one bucket's wire bytes (the first two buckets hold a quarter and a half of it, so the
+    rollout starts loading sooner); a larger tensor travels alone."""
 
     quantize_on: QuantizeOn = QuantizeOn.TRAINER
     """Where FP8_BLOCK quantization runs (`"trainer"` or `"rollout"`)."""

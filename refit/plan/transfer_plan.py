@@ -32,7 +32,8 @@ from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
-__all__ = ["DRAFT_PREFIX", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "layer_key", "make_plan"]
+__all__ = ["DRAFT_PREFIX", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "bucket_bound", "layer_key",
+           "make_plan"]
 
 _LM_HEAD = "lm_head.weight"
 
@@ -327,14 +328,29 @@ def _embedding_name(by_name: dict[str, TensorMeta]) -> str:
 def _pack(
     tensors: list[PlannedTensor], bucket_bytes: int, quantize_on: QuantizeOn
 ) -> tuple[tuple[PlannedTensor, ...], ...]:
-    """Greedy, order-preserving: a tensor larger than a bucket travels alone."""
+    """Greedy, order-preserving, each bucket within its bound (`bucket_bound`); a larger tensor travels alone."""
     buckets: list[list[PlannedTensor]] = []
     size = 0
     for t in tensors:
         nbytes = t.wire_bytes(quantize_on)
-        if not buckets or size + nbytes > bucket_bytes:
+        if not buckets or size + nbytes > bucket_bound(len(buckets) - 1, bucket_bytes):
             buckets.append([])
             size = 0
         buckets[-1].append(t)
         size += nbytes
     return tuple(tuple(b) for b in buckets)
+
+
+_RAMP = (4, 2)  # the first buckets' bounds: bucket_bytes / 4, then / 2, then bucket_bytes
+
+
+def bucket_bound(index: int, bucket_bytes: int) -> int:
+    """The most wire bytes bucket `index` holds: a quarter of `bucket_bytes` for the first, half for the second,
+    then all of it.
+
+    Why smaller first buckets: a sync overlaps the trainer making bucket i+1 with the rollout loading bucket i,
+    but nothing overlaps the making of the first bucket (the rollout waits), nor the second's beyond the first's
+    load. Starting small shortens that wait, and doubling lets each bucket's making hide behind its predecessor's
+    load; two more buckets cost two more calls (docs/performance.md measures both).
+    """
+    return bucket_bytes // _RAMP[index] if index < len(_RAMP) else bucket_bytes

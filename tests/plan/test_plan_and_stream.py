@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from fixtures import model_dir
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, loadable_tensors, make_plan, produce_buckets
+from refit.plan.transfer_plan import bucket_bound
 from refit.quantizer import quantize_fp8_block
 from refit.quantizer.fp8_block import loadable_form
 from refit.transport.buckets import pack_bucket
@@ -51,8 +52,12 @@ def test_plan_quantizes_exactly_the_linears_and_orders_buckets_by_layer():
     # The tied alias is loaded from the embedding's bytes, never sent again (and not quantized: ignored by config).
     assert plan.copies == (("lm_head.weight", "model.embed_tokens.weight"),) and "lm_head.weight" not in names
     assert plan.targets[-1] == "lm_head.weight"
-    for bucket in plan.buckets:  # bounded, except a tensor bigger than a bucket travels alone
-        assert len(bucket) == 1 or sum(t.quantized_bytes for t in bucket) <= 200_000
+    sizes = [[t.wire_bytes(plan.quantize_on) for t in bucket] for bucket in plan.buckets]
+    bounds = [bucket_bound(i, 200_000) for i in range(len(sizes))]
+    assert bounds[:3] == [50_000, 100_000, 200_000] and len(sizes) > 3  # the first two ramp up
+    for bucket, bound, following in zip(sizes, bounds, sizes[1:] + [[]]):
+        assert len(bucket) == 1 or sum(bucket) <= bound  # bounded, except a tensor bigger than its bucket travels alone
+        assert not following or sum(bucket) + following[0] > bound  # greedy: the next tensor did not fit
     assert plan.wire_bytes < 0.6 * sum(t.source_bytes for t in plan.tensors)
 
 
