@@ -13,6 +13,7 @@
   group for the bytes), and the options `refit serve` adds.
 - `worker_rpc`: the RPC contract with the workers, both ends (`WorkerCalls`, `RefitWorkerExtension`).
 - `transfer_backend`: the "refit" backend of vLLM's weight-transfer API (worker side).
+- `layerwise`: vLLM's layerwise reload of one model, with tied aliases and a drafter's shared modules kept out.
 - `readback`: the engine's FP8 weight scales read back against what the sync sent.
 - `cpu_kernel`, `cpu_moe`: FP8_BLOCK reference linear kernel and MoE backend for CPUs without AMX (general plugins).
 - `compat`: the vLLM release all of the above was written against.

@@ -35,8 +35,7 @@ every vLLM process knows it; engines opt in with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +54,10 @@ try:
         WeightTransferUpdateInfo,
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.platforms import current_platform
+
+    from refit.engine.layerwise import LayerwiseReload, outermost  # vLLM's reload, with tied aliases kept out
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
 from refit.plan.data_path import loadable_tensors
@@ -87,58 +87,40 @@ class DraftModel:
 
     An MTP drafter (`method="mtp"`) shares modules with its target (vLLM hands it the target's `embed_tokens`
     and `lm_head`): those are the target's weights, loaded and verified with it, so the draft neither expects
-    them nor reloads them: they are detached from it while its reload opens and closes (vLLM's reload walks
-    `modules()`; walking into them it would put them on the meta device after the target has loaded them).
+    them nor reloads them (`LayerwiseReload`'s `owned_elsewhere`).
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, load_format: str, target: torch.nn.Module) -> None:
-        self.model, self.model_config = model, model_config
+        self.model = model
         targets = {id(module) for module in target.modules()}
-        shared = [name for name, module in model.named_modules() if name and id(module) in targets]
-        self._detach = [name for name in shared if not any(name.startswith(other + ".") for other in shared)]
-        self.shared = frozenset(f"{name}.{param}" for name in self._detach
+        shared = outermost([name for name, module in model.named_modules() if name and id(module) in targets])
+        self.shared = frozenset(f"{name}.{param}" for name in shared
                                 for param, _ in model.get_submodule(name).named_parameters())
+        self.reload = LayerwiseReload(model, model_config, owned_elsewhere=shared)
         self.provenance = ScaleProvenanceTracker(model)
         names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(model_config.model)
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
-        self.reload_open = False
         self.loaded: set[str] = set()
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load draft tensors named without the prefix; the first of an update opens the draft's reload."""
-        if not self.reload_open:
-            with self._shared_detached():
-                initialize_layerwise_reload(self.model)
-            self.reload_open, self.loaded = True, set()
-        self.loaded |= set(self.model.load_weights(tensors))
+        if not self.reload.is_open:
+            self.reload.open()
+            self.loaded = set()
+        self.loaded |= set(self.model.load_weights([(n, t) for n, t in tensors if n not in self.reload.kept_out]))
+        self.reload.process_ready_aliases()
 
     def missing(self) -> list[str]:
         """Draft weights this update left unloaded (none if it loaded none: the draft keeps its version)."""
-        return sorted(_expected_weights(self.model) - self.shared - self.loaded) if self.reload_open else []
+        if not self.reload.is_open:
+            return []
+        return sorted(_expected_weights(self.model) - self.shared - self.reload.kept_out - self.loaded)
 
     def finalize(self, streamed: set[str], version: int | None) -> None:
-        if self.reload_open:
-            with self._shared_detached():
-                finalize_layerwise_reload(self.model, self.model_config)
-            self.reload_open = False
+        if self.reload.is_open:
+            self.reload.close()
             if version is not None:
                 self.provenance.record_streamed(self.loaded, streamed, version)
-
-    @contextmanager
-    def _shared_detached(self) -> Iterator[None]:
-        """The draft without the modules it shares with the target, for the duration (their places kept)."""
-        parents = []
-        for name in self._detach:
-            parent_name, _, child = name.rpartition(".")
-            parent = self.model.get_submodule(parent_name)
-            parents.append((parent, dict(parent._modules)))
-            del parent._modules[child]
-        try:
-            yield
-        finally:
-            for parent, modules in reversed(parents):
-                parent._modules.clear()
-                parent._modules.update(modules)
 
 
 @dataclass
@@ -178,7 +160,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._loaded: set[str] = set()  # vLLM parameter names load_weights reported
         self._streamed: set[str] = set()  # checkpoint names of the tensors it was given
         self._expected: frozenset[str] = frozenset()
-        self._reload_open = False
+        self._reload: LayerwiseReload | None = None  # of the open update
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
         self._kind: TransportKind | None = None  # which one (a transport whose bytes come by contents)
         self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
@@ -201,15 +183,15 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         (`unwrap_lora_layers` says why)."""
         self._rewrap_lora()
         self._rewrap_lora = unwrap_lora_layers(self.model)
-        initialize_layerwise_reload(self.model)
-        self._reload_open = True
+        self._reload = LayerwiseReload(self.model, self.model_config)
+        self._reload.open()
         self._plan = None
         self._update_version = None
         self._loaded = set()
         self._streamed = set()
         self._sent_scales: dict[str, torch.Tensor] = {}
         self._verify = False
-        self._expected = _expected_weights(self.model)
+        self._expected = _expected_weights(self.model) - self._reload.kept_out
 
     # -- transports ---------------------------------------------------------------
     def join_group(self, rendezvous: Rendezvous, member: int) -> None:
@@ -258,12 +240,15 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         tensors, spans = (update_info.tensors, []) if parts is None else self._arrived(parts, update_info)
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
         self._streamed |= {name for name, _ in tensors}  # before loading: a load that fails half-way changed the model
-        target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX)]
+        # A tied alias kept out of the reload gets its bytes through its tie (refit/engine/layerwise.py).
+        kept_out = self._reload.kept_out if self._reload is not None else frozenset()
+        target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX) and name not in kept_out]
         draft = [(name.removeprefix(DRAFT_PREFIX), tensor) for name, tensor in tensors if name.startswith(DRAFT_PREFIX)]
         if draft and self.draft is None:
             raise LifecycleError(f"draft tensors arrived ({draft[0][0]}, ...) but this engine has no draft model")
         if target:
             self._loaded |= set(self.model.load_weights(target))
+            self._reload.process_ready_aliases()
         if draft:
             self.draft.load(draft)
         if parts is not None:
@@ -330,7 +315,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         """Close an update that failed anywhere: layers that got nothing get their old tensors back."""
         self._plan = None
         self.base.abort()
-        if self._reload_open:
+        if self._reload is not None and self._reload.is_open:
             self._finalize()
         if self._update_version is not None:
             # What was loaded is live: record it, so provenance stays true.
@@ -342,8 +327,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         rewrap()
 
     def _finalize(self) -> None:
-        finalize_layerwise_reload(self.model, self.model_config)
-        self._reload_open = False
+        self._reload.close()
         if self.draft is not None:
             self.draft.finalize({n.removeprefix(DRAFT_PREFIX) for n in self._streamed if n.startswith(DRAFT_PREFIX)},
                                 self._update_version)

@@ -1,0 +1,134 @@
+"""vLLM's layerwise reload of one model, with the modules it must not reload kept out of it.
+
+`initialize_layerwise_reload` walks `model.modules()` and puts each layer's
+tensors on the meta device until all of the layer's elements were loaded
+again; the layer is then materialized, processed, and copied back into its
+original storage. Two kinds of module must not take part:
+
+- **A tied alias.** vLLM ties a `ParallelLMHead` to the input embedding by
+  sharing the embedding's weight Parameter (`tie_weights`). The reload gives
+  each module a meta tensor of its own, so the tie is broken for the
+  reload's duration, and loading the alias too would materialize a second
+  vocab x hidden tensor (held beside the first, on the device), copy it and
+  copy it back, only to write the embedding's bytes into the embedding's
+  storage again. Kept out, the alias keeps the shared Parameter, which the
+  embedding's layer copies its new values into, so it holds them without a
+  load of its own. What its quant method derived from the weight (vLLM's
+  CPU GEMM packs a copy of it) is made again as soon as the embedding's
+  layer holds the shared Parameter again (`process_ready_aliases`, after
+  each bucket: while the trainer still makes the next ones), else once the
+  reload is finalized (a layer the engine pads beyond the checkpoint's rows
+  is processed only then).
+  Only aliases whose quant method is vLLM's unquantized embedding method
+  are kept out: that method's processing reads the weight and never changes
+  it, so running it again is safe. Any other tie is reloaded as before.
+- **Modules another model's reload owns.** An MTP drafter shares its
+  target's `embed_tokens` and `lm_head`: the target loads and processes
+  them, and the draft's reload, walking into them, would put them back on
+  the meta device after the target loaded them.
+
+The alias's parameter names (`kept_out`) are never loaded: the update drops
+them from what it hands `load_weights` and from the weights it expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+__all__ = ["LayerwiseReload", "outermost", "tied_aliases"]
+
+
+class LayerwiseReload:
+    """One update's layerwise reload of `model`: `open` before the first tensor is loaded, `close` after the last.
+
+    `owned_elsewhere`: names of modules another model's reload loads and processes (outermost only).
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config: Any, owned_elsewhere: Sequence[str] = ()) -> None:
+        self.model, self.model_config = model, model_config
+        self._owned_elsewhere = list(owned_elsewhere)
+        self._pending: dict[torch.nn.Module, torch.nn.Module] = {}  # tied alias -> the module its Parameter is from
+        self.kept_out: frozenset[str] = frozenset()
+        self.is_open = False
+
+    def open(self) -> None:
+        """Put every layer but the kept-out ones in loadable form."""
+        aliases = {name: tie for name, tie in tied_aliases(self.model).items() if not _under(name, self._owned_elsewhere)}
+        self._pending = dict(aliases.values())
+        self.kept_out = frozenset(f"{name}.{param}" for name, (alias, _) in aliases.items()
+                                  for param, _ in _own_parameters(alias))
+        with _detached(self.model, [*self._owned_elsewhere, *aliases]):
+            initialize_layerwise_reload(self.model)
+        self.is_open = True
+
+    def process_ready_aliases(self) -> None:
+        """Process each tied alias whose source layer was processed: the source holds the shared Parameter again."""
+        for alias, source in list(self._pending.items()):
+            if all(getattr(source, name, None) is param for name, param in _own_parameters(alias)):
+                alias.quant_method.process_weights_after_loading(alias)
+                del self._pending[alias]
+
+    def close(self) -> None:
+        """Finalize the reload (layers that received nothing get their old tensors back), then process the tied
+        aliases not processed yet over the values their Parameter now holds."""
+        with _detached(self.model, self._owned_elsewhere):
+            finalize_layerwise_reload(self.model, self.model_config)
+        self.is_open = False
+        pending, self._pending = self._pending, {}
+        for alias in pending:
+            alias.quant_method.process_weights_after_loading(alias)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """Leaf modules of `model` whose every parameter is, under the same name, the Parameter one earlier module
+    holds (in `named_modules` order), and whose quant method is vLLM's unquantized embedding method: a tied
+    `lm_head`. By name: (the alias, that earlier module)."""
+    owners: dict[int, torch.nn.Module] = {}
+    aliases = {}
+    for name, module in model.named_modules():
+        params = _own_parameters(module)
+        owned = [owners.get(id(param)) for _, param in params]
+        source = owned[0] if owned else None
+        if (name and source is not None and all(o is source for o in owned) and next(module.children(), None) is None
+                and all(getattr(source, n, None) is param for n, param in params)
+                and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)):
+            aliases[name] = (module, source)
+        for _, param in params:
+            owners.setdefault(id(param), module)
+    return aliases
+
+
+def _own_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return list(module.named_parameters(recurse=False))
+
+
+def outermost(names: Sequence[str]) -> list[str]:
+    """`names` without those inside another of them."""
+    return [name for name in names if not _under(name, [other for other in names if other != name])]
+
+
+def _under(name: str, others: Sequence[str]) -> bool:
+    return any(name == other or name.startswith(other + ".") for other in others)
+
+
+@contextmanager
+def _detached(model: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """`model` without the modules `names` (outermost ones) for the duration, their places kept."""
+    parents = []
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parents.append((parent, dict(parent._modules)))
+        del parent._modules[child]
+    try:
+        yield
+    finally:
+        for parent, modules in reversed(parents):
+            parent._modules.clear()
+            parent._modules.update(modules)
