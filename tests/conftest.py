@@ -15,6 +15,7 @@ cluster started by the xdist controller; a module never spans two workers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ from dataclasses import dataclass
 import pytest
 
 from fixtures.cluster import QUIET_ENV
+from refit.engine.config import REFERENCE_KERNEL_ENV
+
+# Every engine the suite starts (Ray nodes and `vllm serve` subprocesses inherit this environment) computes FP8_BLOCK
+# linears with refit's reference kernel, on CPUs with AMX too, so comparisons between engines hold bit for bit on
+# any CPU (refit/engine/cpu_kernel.py says why vLLM's AMX kernels do not).
+os.environ[REFERENCE_KERNEL_ENV] = "1"
 from tests.support.names import NAMESPACE, SHARED_REPLICAS
 
 NODES = 3

@@ -18,13 +18,18 @@ from typing import Any, Literal
 from refit.engine.vllm_logs import quiet_benign_vllm_warnings
 from refit.errors import ConfigError
 
-__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "TRANSFER_BACKEND", "WORKER_EXTENSION", "engine_kwargs"]
+__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "REFERENCE_KERNEL_ENV", "TRANSFER_BACKEND", "WORKER_EXTENSION",
+           "engine_kwargs"]
 
 TRANSFER_BACKEND = "refit"
 """The name refit's weight-transfer backend is registered under in vLLM (refit/engine/transfer_backend.py)."""
 
 WORKER_EXTENSION = "refit.engine.worker_rpc.RefitWorkerExtension"
 """Mixed into every vLLM worker; a dotted path so that naming it does not import vLLM."""
+
+REFERENCE_KERNEL_ENV = "REFIT_CPU_REFERENCE_KERNEL"
+"""Set to "1" in an engine's environment on the CPU: refit's reference FP8_BLOCK kernel first, vLLM's native CPU
+kernels only after it, so every CPU computes the same numbers (refit/engine/cpu_kernel.py says why)."""
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache per engine on a CPU when `kv_cache_bytes` is None: 1 GiB holds ~30k tokens of a

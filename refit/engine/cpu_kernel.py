@@ -10,12 +10,19 @@ bf16 rounding of each weight, so the real FP8_BLOCK load, serve and reload
 paths can run (and be tested) on any CPU.
 
 It is appended to vLLM's CPU kernel list, so vLLM's own kernels keep
-priority wherever they can run. `register()` is the `vllm.general_plugins`
+priority wherever they can run. With `REFIT_CPU_REFERENCE_KERNEL=1` in the
+environment of the engine's processes it goes first instead, so every CPU
+computes the same numbers: vLLM's AMX kernels pack the weight for their
+GEMM, and one of them rounds activations to FP8, so an engine on a CPU with
+AMX does not match a bf16 engine on the dequantized weights, or the same
+engine on a CPU without AMX, bit for bit (refit's test suite sets it). `register()` is the `vllm.general_plugins`
 entry point declared in pyproject.toml; vLLM calls it in every process it
 starts (engine core, workers) before any model is built.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +30,11 @@ import vllm
 import vllm.platforms
 
 from refit.engine.compat import EXPECTED_VLLM_VERSION, incompatible_vllm
+from refit.engine.config import REFERENCE_KERNEL_ENV
 from refit.errors import InvalidTensorError
 from refit.quantizer.fp8_block import dequantize_fp8_block
 
-__all__ = ["EXPECTED_VLLM_VERSION", "RefitCpuFp8BlockKernel", "register"]
+__all__ = ["EXPECTED_VLLM_VERSION", "REFERENCE_KERNEL_ENV", "RefitCpuFp8BlockKernel", "register"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,10 +91,9 @@ class RefitCpuFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
     def __init__(self, config: FP8ScaledMMLinearLayerConfig) -> None:
         super().__init__(config)
         _logger.warning_once(
-            "Using refit's reference FP8_BLOCK kernel: vLLM's CPU FP8 block kernels "
-            "refused this layer (they need AMX; this CPU has AMX: %s). It dequantizes "
-            "the weight on every call, so it is correct but slow.",
-            torch.cpu._is_amx_tile_supported(),
+            "Using refit's reference FP8_BLOCK kernel (%s=%s; vLLM's CPU FP8 block kernels need AMX, which "
+            "this CPU has: %s). It dequantizes the weight on every call, so it is correct but slow.",
+            REFERENCE_KERNEL_ENV, os.environ.get(REFERENCE_KERNEL_ENV, "unset"), torch.cpu._is_amx_tile_supported(),
         )
 
     @classmethod
@@ -154,10 +161,10 @@ class RefitCpuFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
 
 
 def register() -> None:
-    """Append `RefitCpuFp8BlockKernel` to vLLM's CPU FP8 block kernels, last.
+    """Put `RefitCpuFp8BlockKernel` in vLLM's CPU FP8 block kernels: last, or first under `REFERENCE_KERNEL_ENV`.
 
-    A no-op off the CPU platform and when already registered (vLLM may call
-    general plugins more than once, and tests call this directly). Raises
+    A no-op off the CPU platform; once registered, a call only places it again
+    (vLLM may call general plugins more than once, and tests call this directly). Raises
     `EngineError` naming the expected vLLM version if the internals this
     relies on are missing: a silent no-op would resurface later as the
     "Failed to find a kernel" start-up error, with the cause hidden.
@@ -165,7 +172,11 @@ def register() -> None:
     if not vllm.platforms.current_platform.is_cpu():
         return
     kernels = _cpu_fp8_block_kernels()
-    if RefitCpuFp8BlockKernel not in kernels:
+    if RefitCpuFp8BlockKernel in kernels:
+        kernels.remove(RefitCpuFp8BlockKernel)
+    if os.environ.get(REFERENCE_KERNEL_ENV) == "1":
+        kernels.insert(0, RefitCpuFp8BlockKernel)
+    else:
         kernels.append(RefitCpuFp8BlockKernel)
 
 

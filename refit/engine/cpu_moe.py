@@ -20,17 +20,21 @@ vLLM has no plugin list for MoE backends (its own TODO says so), so
 reads: the CPU priority list gets a last entry, `EMULATION` (a backend whose
 weights pass through unconverted), and the kernel classes for that entry on
 the CPU are this one. vLLM's native CPU backends keep priority wherever
-they can run.
+they can run, unless `REFIT_CPU_REFERENCE_KERNEL=1` is in the engine's
+environment: then this backend comes first, as the linear reference kernel
+does (refit/engine/cpu_kernel.py says why).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import vllm.platforms
 
 from refit.engine.compat import incompatible_vllm
+from refit.engine.config import REFERENCE_KERNEL_ENV
 from refit.quantizer.fp8_block import dequantize_fp8_block
 
 __all__ = ["RefitCpuFp8BlockExperts", "register"]
@@ -64,8 +68,9 @@ class RefitCpuFp8BlockExperts(CPUUnquantizedExperts):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 (vLLM's signature)
         super().__init__(*args, **kwargs)
         _logger.warning_once(
-            "Using refit's reference FP8_BLOCK MoE backend: vLLM's CPU FP8 MoE kernels refused "
-            "(they need AMX). It dequantizes every expert on every call, so it is correct but slow."
+            "Using refit's reference FP8_BLOCK MoE backend (%s=%s; vLLM's CPU FP8 MoE kernels need AMX). "
+            "It dequantizes every expert on every call, so it is correct but slow.",
+            REFERENCE_KERNEL_ENV, os.environ.get(REFERENCE_KERNEL_ENV, "unset"),
         )
 
     @staticmethod
@@ -83,7 +88,8 @@ class RefitCpuFp8BlockExperts(CPUUnquantizedExperts):
 
 
 def register() -> None:
-    """Make `RefitCpuFp8BlockExperts` vLLM's last-choice FP8 MoE backend on the CPU.
+    """Make `RefitCpuFp8BlockExperts` vLLM's last-choice FP8 MoE backend on the CPU (first under
+    `REFERENCE_KERNEL_ENV`, read at each selection).
 
     A no-op off the CPU platform and when already registered (vLLM runs
     general plugins more than once per process). Raises `EngineError` naming
@@ -96,15 +102,15 @@ def register() -> None:
             raise _incompatible_vllm(f"vllm.model_executor.layers.fused_moe.oracle.fp8.{name} is missing")
     if getattr(fp8_oracle.backend_to_kernel_cls, "_refit", False):
         return
-    fp8_oracle._get_priority_backends = _with_reference_last(fp8_oracle._get_priority_backends)
+    fp8_oracle._get_priority_backends = _with_reference_placed(fp8_oracle._get_priority_backends)
     fp8_oracle.backend_to_kernel_cls = _reference_in_slot(fp8_oracle.backend_to_kernel_cls)
 
 
-def _with_reference_last(priority_backends):
+def _with_reference_placed(priority_backends):
     @functools.wraps(priority_backends)
     def wrapped(*args, **kwargs):
-        backends = priority_backends(*args, **kwargs)
-        return [b for b in backends if b is not _SLOT] + [_SLOT]
+        backends = [b for b in priority_backends(*args, **kwargs) if b is not _SLOT]
+        return [_SLOT, *backends] if os.environ.get(REFERENCE_KERNEL_ENV) == "1" else [*backends, _SLOT]
 
     return wrapped
 

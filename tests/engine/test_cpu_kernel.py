@@ -53,13 +53,13 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from fixtures import tiny_qwen3_config
 from refit.engine.compat import EXPECTED_VLLM_VERSION
-from refit.engine.cpu_kernel import RefitCpuFp8BlockKernel, register
+from refit.engine.cpu_kernel import REFERENCE_KERNEL_ENV, RefitCpuFp8BlockKernel, register
 from refit.errors import EngineError, InvalidTensorError
 
 pytestmark = pytest.mark.engine  # starts or imports vLLM
 
 BLOCK = 128
-MakeLayer = Callable[[int, int], ReplicatedLinear]
+MakeLayer = Callable[..., ReplicatedLinear]
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +91,20 @@ def make_layer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MakeLayer]:
         )
         initialize_model_parallel(1, 1)
 
-        def build(n: int, k: int) -> ReplicatedLinear:
-            with set_default_torch_dtype(torch.bfloat16):
-                return ReplicatedLinear(
-                    k, n, bias=False, quant_config=quant_config, prefix="test.proj", disable_tp=True
-                )
+        def build(n: int, k: int, *, native_allowed: bool = False) -> ReplicatedLinear:
+            # The reference kernel's own tests build it wherever they run: on a CPU with AMX vLLM's native
+            # kernels would win the selection (test_selected_for_cpu_fp8_block_linear checks that they do).
+            kernels = linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]
+            listed = list(kernels)
+            if not native_allowed:
+                kernels[:] = [RefitCpuFp8BlockKernel]
+            try:
+                with set_default_torch_dtype(torch.bfloat16):
+                    return ReplicatedLinear(
+                        k, n, bias=False, quant_config=quant_config, prefix="test.proj", disable_tp=True
+                    )
+            finally:
+                kernels[:] = listed
 
         try:
             yield build
@@ -142,13 +151,23 @@ SHAPES = [(256, 384), (200, 300), (129, 130), (64, 96)]
 """(N, K): multiples of 128, partial edge blocks, one-element edges, a single partial block."""
 
 
-def test_selected_for_cpu_fp8_block_linear(make_layer: MakeLayer) -> None:
-    """On this machine vLLM picks the reference kernel only where its AMX kernels cannot run."""
-    chosen = type(make_layer(256, 384).scheme.fp8_linear)
-    if torch.cpu._is_amx_tile_supported():
-        assert chosen is not RefitCpuFp8BlockKernel, "a native AMX kernel should win where it runs"
-    else:
-        assert chosen is RefitCpuFp8BlockKernel
+def test_selected_for_cpu_fp8_block_linear(make_layer: MakeLayer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this machine vLLM picks the reference kernel only where its AMX kernels cannot run, unless the
+    environment asks for it first (as this suite's does: tests/conftest.py)."""
+    monkeypatch.delenv(REFERENCE_KERNEL_ENV, raising=False)
+    register()
+    try:
+        chosen = type(make_layer(256, 384, native_allowed=True).scheme.fp8_linear)
+        if torch.cpu._is_amx_tile_supported():
+            assert chosen is not RefitCpuFp8BlockKernel, "a native AMX kernel should win where it runs"
+        else:
+            assert chosen is RefitCpuFp8BlockKernel
+        monkeypatch.setenv(REFERENCE_KERNEL_ENV, "1")
+        register()
+        assert type(make_layer(256, 384, native_allowed=True).scheme.fp8_linear) is RefitCpuFp8BlockKernel
+    finally:
+        monkeypatch.undo()
+        register()
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
@@ -245,16 +264,24 @@ def test_vllm_finds_register_through_its_plugin_entry_point() -> None:
     assert plugins["refit_cpu_fp8_block_kernel"].load() is register
 
 
-def test_register_appends_last_once() -> None:
+def test_register_places_it_once_last_or_first_as_the_environment_asks(monkeypatch: pytest.MonkeyPatch) -> None:
     table = linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS
     native = [k for k in table[PlatformEnum.CPU] if k is not RefitCpuFp8BlockKernel]
+    try:
+        monkeypatch.delenv(REFERENCE_KERNEL_ENV, raising=False)
+        register()
+        register()
+        assert table[PlatformEnum.CPU] == [*native, RefitCpuFp8BlockKernel]
 
-    register()
-    register()
-
-    assert table[PlatformEnum.CPU] == [*native, RefitCpuFp8BlockKernel]
-    others = [k for platform, ks in table.items() if platform != PlatformEnum.CPU for k in ks]
-    assert RefitCpuFp8BlockKernel not in others
+        monkeypatch.setenv(REFERENCE_KERNEL_ENV, "1")
+        register()
+        register()
+        assert table[PlatformEnum.CPU] == [RefitCpuFp8BlockKernel, *native]
+        others = [k for platform, ks in table.items() if platform != PlatformEnum.CPU for k in ks]
+        assert RefitCpuFp8BlockKernel not in others
+    finally:
+        monkeypatch.undo()
+        register()
 
 
 def test_register_is_a_no_op_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
