@@ -230,6 +230,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         """Load one bucket; each layer is processed as soon as it is complete."""
+        if self._reload is None:
+            raise LifecycleError("a bucket arrived before any update was started (start_weight_update)")
         if self._update_version not in (None, update_info.version):
             raise LifecycleError(
                 f"bucket of version {update_info.version} arrived during the update to version "
@@ -241,7 +243,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
         self._streamed |= {name for name, _ in tensors}  # before loading: a load that fails half-way changed the model
         # A tied alias kept out of the reload gets its bytes through its tie (refit/engine/layerwise.py).
-        kept_out = self._reload.kept_out if self._reload is not None else frozenset()
+        kept_out = self._reload.kept_out
         target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX) and name not in kept_out]
         draft = [(name.removeprefix(DRAFT_PREFIX), tensor) for name, tensor in tensors if name.startswith(DRAFT_PREFIX)]
         if draft and self.draft is None:
