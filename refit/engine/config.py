@@ -10,6 +10,7 @@ one, does not fit.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from refit.engine.vllm_logs import quiet_benign_vllm_warnings
 from refit.errors import ConfigError
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "REFERENCE_KERNEL_ENV", "TRANSFER_BACKEND", "WORKER_EXTENSION",
-           "engine_kwargs"]
+           "engine_kwargs", "reference_kernels_first"]
 
 TRANSFER_BACKEND = "refit"
 """The name refit's weight-transfer backend is registered under in vLLM (refit/engine/transfer_backend.py)."""
@@ -30,6 +31,11 @@ WORKER_EXTENSION = "refit.engine.worker_rpc.RefitWorkerExtension"
 REFERENCE_KERNEL_ENV = "REFIT_CPU_REFERENCE_KERNEL"
 """Set to "1" in an engine's environment on the CPU: refit's reference FP8_BLOCK kernel first, vLLM's native CPU
 kernels only after it, so every CPU computes the same numbers (refit/engine/cpu_kernel.py says why)."""
+
+
+def reference_kernels_first() -> bool:
+    """Whether this process's environment asks for refit's reference CPU kernels first (`REFERENCE_KERNEL_ENV`)."""
+    return os.environ.get(REFERENCE_KERNEL_ENV) == "1"
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache per engine on a CPU when `kv_cache_bytes` is None: 1 GiB holds ~30k tokens of a

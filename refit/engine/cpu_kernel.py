@@ -30,7 +30,7 @@ import vllm
 import vllm.platforms
 
 from refit.engine.compat import EXPECTED_VLLM_VERSION, incompatible_vllm
-from refit.engine.config import REFERENCE_KERNEL_ENV
+from refit.engine.config import REFERENCE_KERNEL_ENV, reference_kernels_first
 from refit.errors import InvalidTensorError
 from refit.quantizer.fp8_block import dequantize_fp8_block
 
@@ -174,7 +174,7 @@ def register() -> None:
     kernels = _cpu_fp8_block_kernels()
     if RefitCpuFp8BlockKernel in kernels:
         kernels.remove(RefitCpuFp8BlockKernel)
-    if os.environ.get(REFERENCE_KERNEL_ENV) == "1":
+    if reference_kernels_first():
         kernels.insert(0, RefitCpuFp8BlockKernel)
     else:
         kernels.append(RefitCpuFp8BlockKernel)

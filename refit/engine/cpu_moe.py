@@ -34,7 +34,7 @@ import torch
 import vllm.platforms
 
 from refit.engine.compat import incompatible_vllm
-from refit.engine.config import REFERENCE_KERNEL_ENV
+from refit.engine.config import REFERENCE_KERNEL_ENV, reference_kernels_first
 from refit.quantizer.fp8_block import dequantize_fp8_block
 
 __all__ = ["RefitCpuFp8BlockExperts", "register"]
@@ -110,7 +110,7 @@ def _with_reference_placed(priority_backends):
     @functools.wraps(priority_backends)
     def wrapped(*args, **kwargs):
         backends = [b for b in priority_backends(*args, **kwargs) if b is not _SLOT]
-        return [_SLOT, *backends] if os.environ.get(REFERENCE_KERNEL_ENV) == "1" else [*backends, _SLOT]
+        return [_SLOT, *backends] if reference_kernels_first() else [*backends, _SLOT]
 
     return wrapped
 

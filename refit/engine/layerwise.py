@@ -27,8 +27,8 @@ original storage. Two kinds of module must not take part:
   them, and the draft's reload, walking into them, would put them back on
   the meta device after the target loaded them.
 
-The alias's parameter names (`kept_out`) are never loaded: the update drops
-them from what it hands `load_weights` and from the weights it expects.
+The alias's parameter names (`kept_out`) are never loaded: `load` drops them
+from what it hands `load_weights`, and the update from the weights it expects.
 """
 
 from __future__ import annotations
@@ -66,6 +66,14 @@ class LayerwiseReload:
         with _detached(self.model, [*self._owned_elsewhere, *aliases]):
             initialize_layerwise_reload(self.model)
         self.is_open = True
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
+        """`model.load_weights` of `tensors` but the kept-out names (their bytes arrive through the tie), then the
+        aliases that became ready; the parameter names vLLM reported as loaded."""
+        loadable = [(name, tensor) for name, tensor in tensors if name not in self.kept_out]
+        loaded = set(self.model.load_weights(loadable)) if loadable else set()
+        self.process_ready_aliases()
+        return loaded
 
     def process_ready_aliases(self) -> None:
         """Process each tied alias whose source layer was processed: the source holds the shared Parameter again."""

@@ -107,8 +107,7 @@ class DraftModel:
         if not self.reload.is_open:
             self.reload.open()
             self.loaded = set()
-        self.loaded |= set(self.model.load_weights([(n, t) for n, t in tensors if n not in self.reload.kept_out]))
-        self.reload.process_ready_aliases()
+        self.loaded |= self.reload.load(tensors)
 
     def missing(self) -> list[str]:
         """Draft weights this update left unloaded (none if it loaded none: the draft keeps its version)."""
@@ -242,15 +241,12 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         tensors, spans = (update_info.tensors, []) if parts is None else self._arrived(parts, update_info)
         refuse_invalid_scales(tensors)  # before anything of this bucket is loaded
         self._streamed |= {name for name, _ in tensors}  # before loading: a load that fails half-way changed the model
-        # A tied alias kept out of the reload gets its bytes through its tie (refit/engine/layerwise.py).
-        kept_out = self._reload.kept_out
-        target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX) and name not in kept_out]
+        target = [(name, tensor) for name, tensor in tensors if not name.startswith(DRAFT_PREFIX)]
         draft = [(name.removeprefix(DRAFT_PREFIX), tensor) for name, tensor in tensors if name.startswith(DRAFT_PREFIX)]
         if draft and self.draft is None:
             raise LifecycleError(f"draft tensors arrived ({draft[0][0]}, ...) but this engine has no draft model")
         if target:
-            self._loaded |= set(self.model.load_weights(target))
-            self._reload.process_ready_aliases()
+            self._loaded |= self._reload.load(target)  # a tied alias's bytes arrive through its tie
         if draft:
             self.draft.load(draft)
         if parts is not None:
