@@ -39,7 +39,8 @@ class DeltaNegotiation:
 
     def questions(self, roll: Roll) -> list[tuple[list[tuple[str, Any]], str, tuple]]:
         """What `modes` needs answered, as `call_groups` groups: the Syncer asks them in the same round as its
-        last begin (a base read a moment early is still checked: a delta against another base fails its tags)."""
+        first claim, so the trainer's stream can start while the other replicas begin (a base read a moment early is
+        still checked: a delta against another base fails its tags, and the sync is sent whole)."""
         if not (self.sources_keep_bases() and self.config.keeps_delta_base):
             return []
         askable = [(who, r) for who, r in roll.members if has_method(r, "base_digest")]

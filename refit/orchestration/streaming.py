@@ -32,29 +32,52 @@ __all__ = ["BucketRelay"]
 
 
 class BucketRelay:
-    """One sync's stream, from the trainer's ranks to the roll's members; `run` returns each one's load seconds."""
+    """One sync's stream, from the trainer's ranks to the roll's members: `open` starts the ranks' streams, `run`
+    hands their buckets on and returns each member's load seconds."""
 
-    def __init__(self, plan: TransferPlan, sync_id: str, version: int, roll: Roll,
-                 sources: list[tuple[str, Any]], config: SyncConfig) -> None:
-        self.plan, self.sync_id, self.version, self.roll = plan, sync_id, version, roll
+    def __init__(self, plan: TransferPlan, sync_id: str, roll: Roll, sources: list[tuple[str, Any]],
+                 config: SyncConfig) -> None:
+        self.plan, self.sync_id, self.roll = plan, sync_id, roll
+        self.version = 0  # decided once every member began: `run`'s
         self.sources = sources
         self.config = config
         self.timeout = config.timeout_s
         self.in_flight: collections.deque[list[tuple[str, Any]]] = collections.deque()
-        self.seconds = dict.fromkeys((who for who, _ in roll.members), 0.0)
+        self.streams: list[BucketStream] = []
+        self.transport: StreamHandle = "ray"
+        self.delta: DeltaMode | None = None
+        self.seconds: dict[str, float] = {}
         self.one_group = False  # every member's broadcasts break with one member
         self.progress: Any = None
 
-    def run(self, transport: StreamHandle, delta: DeltaMode | None, modes: dict[str, str]) -> dict[str, float]:
-        """Stream every bucket of the plan to the members in their `modes` ("full" or "delta"); load seconds by name."""
-        kind = kind_of_handle(transport)
+    def open(self, transport: StreamHandle, delta: DeltaMode | None) -> None:
+        """Start every trainer rank's stream: each makes its first buckets (up to the window) before `run` asks.
+
+        Why apart from `run`: the Syncer opens the streams while the
+        members other than the first claimed still begin, where no group
+        must be formed first, so that the trainer's first bucket is made
+        during that round rather than after it. `close` stops them.
+        """
+        self.transport, self.delta = transport, delta
+        self.streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
+                        for who, source in self.sources]
+
+    def close(self) -> None:
+        """Stop every stream still running (a failed sync's, or one that was never run); idempotent."""
+        for stream in self.streams:
+            stream.close()
+
+    def run(self, version: int, modes: dict[str, str]) -> dict[str, float]:
+        """Stream every bucket of the plan, from the streams `open` started, to the members in their `modes`
+        ("full" or "delta"); load seconds by name. The streams are closed on return."""
+        kind = kind_of_handle(self.transport)
         by_contents, ahead = kind.traits.by_contents, kind.traits.reads_ahead
         self.one_group = kind.traits.one_group
-        buckets = len(self.plan.buckets)
-        streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
-                   for who, source in self.sources]
+        self.version = version
+        self.seconds = dict.fromkeys((who for who, _ in self.roll.members), 0.0)
+        buckets, streams, delta = len(self.plan.buckets), self.streams, self.delta
         by_mode = {mode: [(who, r) for who, r in self.roll.members if modes.get(who, "full") == mode] for mode in ("full", "delta")}
-        self.progress = progress_bar(self.config.progress, buckets, f"refit sync v{self.version}", unit="bucket")
+        self.progress = progress_bar(self.config.progress, buckets, f"refit sync v{version}", unit="bucket")
         try:
             upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if ahead else []
             for index in range(buckets):
@@ -80,8 +103,7 @@ class BucketRelay:
                 raise PlanMismatchError(f"{', '.join(extra)} streamed more buckets than the plan's {buckets}")
         finally:
             self.progress.close()
-            for stream in streams:
-                stream.close()
+            self.close()
         return self.seconds
 
     def _hand_on(self, by_mode: dict[str, list[tuple[str, Any]]], parts: list[Any], delta_parts: list[Any],

@@ -13,7 +13,10 @@ The whole flow of one sync, top to bottom:
 3. the trainer streams buckets (Ray streaming generator: each bucket is put
    once in the object store, and the trainer runs at most
    `max_buckets_in_flight` ahead); each bucket is handed to every replica as
-   soon as it exists, so quantizing bucket i+1 overlaps loading bucket i;
+   soon as it exists, so quantizing bucket i+1 overlaps loading bucket i.
+   Its stream starts as soon as the first replica began, so the first
+   buckets are made while the rest begin (over `collective`: once every
+   replica began and joined the group);
 4. every replica checks that every weight was loaded, finalizes the reload,
    runs the post-refit KV-scale stage, clears its prefix cache and serves
    the new version.
@@ -80,6 +83,7 @@ from refit.plan.config import SyncConfig, Transport, Verify
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource
+from refit.transport.delta import DeltaMode
 from refit.transport.integrity import new_sync_key
 from refit.verification.probe import ProbeRequest, probe_prompts
 
@@ -341,20 +345,28 @@ class Syncer:
         first = first_claim(roll.members)  # one winner when two syncs start at once (`first_claim`)
         others = [m for m in roll.members if m is not first]  # the Syncer's order: errors come in the same order every run
         begin = ("begin_update", (plan, sync_id, self.config))
-        proposals = roll.settle(call_all([first], begin[0], *begin[1], timeout_s=timeout), sync_id)
-        # The other members' begin and the delta negotiation's questions, in one round.
-        questions = self._delta.questions(roll)
-        began, *answers = call_groups([(others, *begin), *questions], timeout_s=timeout)
-        proposals |= roll.settle(began, sync_id)
-        version = max(proposals.values())
-        # After begin: a rival sync refused by the replicas never gets to take the trainer into its group.
-        roll.stage = "connect"
-        transport = self._group.connect(sync_id, roll.members)
-        stream_mode, modes = self._delta.modes(roll, answers)
-        stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
-        log.debug("sync %s v%d: began on %d replica(s) (%s)", sync_id, version, len(roll.members), stream_mode)
-        roll.stage = "stream"
-        load_seconds = BucketRelay(plan, sync_id, version, roll, self._sources, self.config).run(transport, stream_mode, modes)
+        # The first claim and the delta negotiation's questions (which only read), in one round.
+        claimed, *answers = call_groups([([first], *begin), *self._delta.questions(roll)], timeout_s=timeout)
+        proposals = roll.settle(claimed, sync_id)
+        relay = BucketRelay(plan, sync_id, roll, self._sources, self.config)
+        try:
+            # Once the first claim is won no rival sync streams to this fleet, so the trainer may start making buckets
+            # while the others begin; unless the stream goes over a group, which forms only after every member began
+            # (a rival sync refused by the replicas never gets to take the trainer into its group).
+            early = not self.config.transport_kind.traits.one_group
+            if early:
+                stream_mode, modes = self._open_stream(relay, sync_id, roll, answers)
+            proposals |= roll.settle(call_all(others, begin[0], *begin[1], timeout_s=timeout), sync_id)
+            version = max(proposals.values())
+            if not early:
+                roll.stage = "connect"
+                stream_mode, modes = self._open_stream(relay, sync_id, roll, answers)
+            stages["begin"], stage = time.perf_counter() - stage, time.perf_counter()
+            log.debug("sync %s v%d: began on %d replica(s) (%s)", sync_id, version, len(roll.members), stream_mode)
+            roll.stage = "stream"
+            load_seconds = relay.run(version, modes)
+        finally:
+            relay.close()
         stages["stream"], stage = time.perf_counter() - stage, time.perf_counter()
         log.debug("sync %s v%d: streamed %d bucket(s), %.1f MiB per replica", sync_id, version, len(plan.buckets),
                   plan.wire_bytes / 2**20)
@@ -368,6 +380,15 @@ class Syncer:
         finished = roll.settle(finishing, sync_id)
         stages["finish"] = time.perf_counter() - stage
         return version, load_seconds, finished, modes, answers
+
+    def _open_stream(self, relay: BucketRelay, sync_id: str, roll: Roll,
+                     answers: list[list[Outcome]]) -> tuple[DeltaMode | None, dict[str, str]]:
+        """Connect the roll's members for the transport, decide what the trainer streams and which members get deltas
+        (from `answers` to the delta negotiation's questions), and start the trainer's stream."""
+        transport = self._group.connect(sync_id, roll.members)
+        stream_mode, modes = self._delta.modes(roll, answers)
+        relay.open(transport, stream_mode)
+        return stream_mode, modes
 
     def close(self) -> None:
         """Release what the Syncer holds between syncs: its collective group, if any."""
