@@ -96,6 +96,33 @@ def test_a_sync_refused_by_the_replica_every_syncer_claims_first_begins_no_other
     assert [r.status().served_version for r in replicas] == [report.version] * 3
 
 
+def test_the_trainer_starts_streaming_once_the_first_claim_is_won_and_before_the_others_begin():
+    """Why: the first bucket is then made while the other replicas begin, not after (a small model's sync is its
+    fixed cost). Never before the first claim: a sync refused there must not take the trainer."""
+    events = []
+
+    class RecordingTrainer(FakeTrainer):
+        def stream_buckets(self, plan):
+            events.append("stream")
+            return super().stream_buckets(plan)
+
+    model = tiny_decoder()
+    trainer, replicas = RecordingTrainer(model), [FakeReplica(expected_names(model)) for _ in range(3)]
+    for replica in replicas:
+        begin = replica.begin_update
+        replica.begin_update = lambda *args, _begin=begin, _who=replica: (events.append(_who), _begin(*args))[1]
+    _, first = first_claim([(str(i), r) for i, r in enumerate(replicas)])
+    Syncer(trainer, replicas, CONFIG).sync()
+    assert events[:2] == [first, "stream"]
+    assert sorted(map(id, events[2:])) == sorted(id(r) for r in replicas if r is not first)
+
+    events.clear()
+    first.lifecycle.begin("rival", lease_s=60, drain_timeout_s=1)
+    with pytest.raises(LifecycleError, match=r"another sync \(rival\)"):
+        Syncer(trainer, replicas, CONFIG).sync()
+    assert events == [first]  # refused at the first claim: no stream, no other begin
+
+
 def test_objects_without_the_protocol_methods_are_refused_by_name():
     trainer, replicas = setup()
     with pytest.raises(ConfigError, match=r"rollout 1 lacks begin_update\(\)"):
