@@ -7,7 +7,7 @@ Each benchmark that `make bench` runs owns one block of the page:
     <!-- /bench_sync -->
 
 `write_block` replaces what lies between them with a header line (the
-machine: CPU model, cores, AVX-512 or AVX2, RAM; the date in UTC; the
+machine: CPU model, cores, AVX-512 or AVX2, AMX, RAM; the date in UTC; the
 command) and the table the benchmark printed, so the page always holds the
 last run's numbers and says where and when they were measured. Benchmarks
 write only when run with `--write-docs` (what the Makefile's bench target
@@ -53,7 +53,10 @@ def markers(name: str) -> tuple[str, str]:
 
 
 def machine() -> str:
-    """This machine in a few words: CPU model, cores, AVX-512 or AVX2, RAM."""
+    """This machine in a few words: CPU model, cores, AVX-512 or AVX2, AMX, RAM.
+
+    AMX is named because vLLM then runs its own AMX FP8 kernels instead of refit's reference kernel (docs/cpu.md),
+    so the same benchmark computes on other kernels there."""
     model, flags = "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -65,6 +68,7 @@ def machine() -> str:
     except OSError:
         pass
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    vector += " with AMX" if "amx_tile" in flags else ""
     ram = ""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
