@@ -49,7 +49,7 @@ def test_a_block_is_replaced_whole_under_a_line_naming_machine_date_and_command(
     assert text.endswith("<!-- /bench_sync -->\n\nbetween\n\n<!-- bench_delta: written by make bench -->\n"
                          "the delta table\n<!-- /bench_delta -->\n")  # the rest of the page as it was
     header = text.splitlines()[5]
-    assert re.fullmatch(r"Measured on .+, \d+ cores, (AVX-512|AVX2|no AVX2)(, \d+ GiB RAM)?, "
+    assert re.fullmatch(r"Measured on .+, \d+ cores, (AVX-512|AVX2|no AVX2)( with AMX)?(, \d+ GiB RAM)?, "
                         r"\d{4}-\d\d-\d\d \d\d:\d\d UTC, with `\.venv/bin/python -m benchmarks\.bench_sync --repeats 2`:",
                         header), header
     assert "```text\nmodel: 8 layers\n  in flight 1   median 0.2 s\n```\n<!-- /bench_sync -->" in text
