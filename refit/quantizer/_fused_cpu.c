@@ -40,6 +40,11 @@ static inline uint8_t bf16_to_fp8_e4m3(uint16_t bits) {
   return (uint8_t)((code | sign) & (0u - (uint32_t)(mag != 0)));
 }
 
+/* A value's code in a block of scale s: torch's division, rounded to bf16,
+ * then to FP8; and the same through the block's reciprocal scale. */
+static inline uint8_t quotient_code(float x, float s) { return bf16_to_fp8_e4m3(f32_to_bf16_rne(x / s)); }
+static inline uint8_t product_code(float x, float inverse) { return bf16_to_fp8_e4m3(f32_to_bf16_rne(x * inverse)); }
+
 /* The conversion alone, exported for the exhaustive test. */
 void refit_bf16_to_fp8_e4m3(const uint16_t *in, uint8_t *out, long n) {
   for (long i = 0; i < n; i++) out[i] = bf16_to_fp8_e4m3(in[i]);
@@ -69,14 +74,52 @@ void refit_fp8_block_bf16(const uint16_t *w, uint8_t *codes, uint16_t *scales,
       uint16_t scale = f32_to_bf16_rne(bf16_to_f32(amax) / 448.0f);
       if (scale == 0) scale = BF16_EPS;
       scales[bi * nbc + bj] = scale;
-      const float s = bf16_to_f32(scale);
+      const float s = bf16_to_f32(scale), inverse = 1.0f / s;
+      /* x / s as x * (1 / s): a product runs at several times a division's
+       * throughput, and for every scale whose reciprocal is finite it gives
+       * every value a block can hold the same code as the division
+       * (refit_reciprocal_mismatches, run by the tests, checks all of them).
+       * The 32 smallest subnormal scales, whose reciprocal overflows, divide. */
+      const int divide = !__builtin_isfinite(inverse);
       for (long r = r0; r < r1; r++) {
         const uint16_t *row = w + r * cols + c0;
         uint8_t *out = codes + r * cols + c0;
-        for (long c = 0; c < width; c++) out[c] = bf16_to_fp8_e4m3(f32_to_bf16_rne(bf16_to_f32(row[c]) / s));
+        if (divide)
+          for (long c = 0; c < width; c++) out[c] = quotient_code(bf16_to_f32(row[c]), s);
+        else
+          for (long c = 0; c < width; c++) out[c] = product_code(bf16_to_f32(row[c]), inverse);
       }
     }
   }
+}
+
+/* How many (scale, value) pairs the kernel's product x * (1 / s) codes
+ * differently from the division x / s: every positive finite bf16 scale with
+ * a finite reciprocal, against every positive finite bf16 value that a block
+ * with that scale can hold (a value whose own scale would be at most s: the
+ * scale grows with a block's amax). Negative values mirror positive ones
+ * (both roundings are symmetric). 0 is the kernel's licence to multiply. */
+long refit_reciprocal_mismatches(void) {
+  long mismatches = 0;
+#pragma omp parallel for reduction(+ : mismatches) schedule(dynamic, 64)
+  for (long scale = 1; scale < BF16_INF; scale++) {
+    const float s = bf16_to_f32((uint16_t)scale), inverse = 1.0f / s;
+    if (!__builtin_isfinite(inverse)) continue;
+    /* The largest value whose own scale is at most s (bisection: values, and
+     * their scales, grow with their bits). */
+    uint32_t lo = 0, hi = BF16_INF;
+    while (hi - lo > 1) {
+      const uint32_t mid = (lo + hi) / 2;
+      if (f32_to_bf16_rne(bf16_to_f32((uint16_t)mid) / 448.0f) <= scale) lo = mid; else hi = mid;
+    }
+    long differ = 0;
+    for (uint32_t bits = 0; bits <= lo; bits++) {
+      const float x = bf16_to_f32((uint16_t)bits);
+      differ += product_code(x, inverse) != quotient_code(x, s);
+    }
+    mismatches += differ;
+  }
+  return mismatches;
 }
 
 /* Whether every bf16 value is finite (its exponent is not all ones). Read-only

@@ -8,7 +8,9 @@ codes directly (numba was tried first and ran at half this speed).
 
 Why it is still bit-identical to compressed-tensors: every rounding step is
 the one torch performs. bf16 -> fp32 is exact (a 16-bit shift); the division
-is an IEEE fp32 division (no fast-math); fp32 -> bf16 is round-to-nearest-
+is an IEEE fp32 division (no fast-math), or a product by the block's
+reciprocal scale where that gives every value the division's code, which
+a test checks for every pair of scale and value; fp32 -> bf16 is round-to-nearest-
 even, as in c10::BFloat16; bf16 -> FP8 (after compressed-tensors' zero point
 and clamp) is integer round-to-nearest-even, checked against torch for all
 65536 bf16 bit patterns by the tests.
@@ -40,7 +42,10 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).with_suffix(".c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# 512-bit vectors where the CPU has them: GCC's tuning for several AVX-512 CPUs prefers 256-bit ones, and the kernel's
+# 32-bit lane arithmetic runs faster with twice the lanes (docs/performance.md; the bits are the same; no effect
+# without AVX-512).
+_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _log = logging.getLogger(__name__)
 
 
@@ -164,6 +169,12 @@ def bf16_to_fp8_codes(values: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+def reciprocal_mismatches() -> int:
+    """How many (scale, value) pairs the kernel's multiply by a block's reciprocal scale codes otherwise than the
+    division it stands for (for tests: it must be 0; see `refit_reciprocal_mismatches` in the C source)."""
+    return int(_library().refit_reciprocal_mismatches())
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -189,6 +200,8 @@ def _library() -> ctypes.CDLL | None:
     library.refit_fp8_block_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4 + [ctypes.c_int]
     library.refit_bf16_to_fp8_e4m3.restype = None
     library.refit_bf16_to_fp8_e4m3.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    library.refit_reciprocal_mismatches.restype = ctypes.c_long
+    library.refit_reciprocal_mismatches.argtypes = []
     library.refit_bf16_all_finite.restype = ctypes.c_int
     library.refit_bf16_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     library.refit_diff_encode.restype = ctypes.c_long
