@@ -37,6 +37,7 @@ def reference_kernels_first() -> bool:
     """Whether this process's environment asks for refit's reference CPU kernels first (`REFERENCE_KERNEL_ENV`)."""
     return os.environ.get(REFERENCE_KERNEL_ENV) == "1"
 
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache per engine on a CPU when `kv_cache_bytes` is None: 1 GiB holds ~30k tokens of a
 small model, and lets a trainer and two rollouts share a 24 GiB machine."""

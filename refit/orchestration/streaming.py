@@ -69,7 +69,7 @@ class BucketRelay:
 
     def run(self, version: int, modes: dict[str, str]) -> dict[str, float]:
         """Stream every bucket of the plan, from the streams `open` started, to the members in their `modes`
-        ("full" or "delta"); load seconds by name. The streams are closed on return."""
+        ("full" or "delta"); load seconds by name. The relay's owner `close`s the streams, whatever happened."""
         kind = kind_of_handle(self.transport)
         by_contents, ahead = kind.traits.by_contents, kind.traits.reads_ahead
         self.one_group = kind.traits.one_group
@@ -103,7 +103,6 @@ class BucketRelay:
                 raise PlanMismatchError(f"{', '.join(extra)} streamed more buckets than the plan's {buckets}")
         finally:
             self.progress.close()
-            self.close()
         return self.seconds
 
     def _hand_on(self, by_mode: dict[str, list[tuple[str, Any]]], parts: list[Any], delta_parts: list[Any],

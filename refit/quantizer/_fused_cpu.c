@@ -40,6 +40,10 @@ static inline uint8_t bf16_to_fp8_e4m3(uint16_t bits) {
   return (uint8_t)((code | sign) & (0u - (uint32_t)(mag != 0)));
 }
 
+/* A block's scale from its amax, as compressed-tensors computes it (before a
+ * zero scale becomes eps): amax / 448, rounded to bf16. */
+static inline uint16_t scale_of(uint16_t amax) { return f32_to_bf16_rne(bf16_to_f32(amax) / 448.0f); }
+
 /* A value's code in a block of scale s: torch's division, rounded to bf16,
  * then to FP8; and the same through the block's reciprocal scale. */
 static inline uint8_t quotient_code(float x, float s) { return bf16_to_fp8_e4m3(f32_to_bf16_rne(x / s)); }
@@ -71,7 +75,7 @@ void refit_fp8_block_bf16(const uint16_t *w, uint8_t *codes, uint16_t *scales,
         }
       }
       if (amax >= BF16_INF) { scales[bi * nbc + bj] = BF16_NAN; continue; }
-      uint16_t scale = f32_to_bf16_rne(bf16_to_f32(amax) / 448.0f);
+      uint16_t scale = scale_of(amax);
       if (scale == 0) scale = BF16_EPS;
       scales[bi * nbc + bj] = scale;
       const float s = bf16_to_f32(scale), inverse = 1.0f / s;
@@ -110,7 +114,7 @@ long refit_reciprocal_mismatches(void) {
     uint32_t lo = 0, hi = BF16_INF;
     while (hi - lo > 1) {
       const uint32_t mid = (lo + hi) / 2;
-      if (f32_to_bf16_rne(bf16_to_f32((uint16_t)mid) / 448.0f) <= scale) lo = mid; else hi = mid;
+      if (scale_of((uint16_t)mid) <= scale) lo = mid; else hi = mid;
     }
     long differ = 0;
     for (uint32_t bits = 0; bits <= lo; bits++) {
