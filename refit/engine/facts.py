@@ -43,12 +43,20 @@ class EngineFacts:
     @classmethod
     def of(cls, vllm_config: Any) -> EngineFacts:
         """From a running engine's `VllmConfig`, so an engine the user started is described as one refit started."""
+        from vllm.config import set_current_vllm_config
+
         model_dir = vllm_config.model_config.model
         dummy = str(vllm_config.load_config.load_format) == "dummy"
         draft_dir = draft_model_dir(vllm_config)
-        info = RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy, mtp=speculative_method(vllm_config) == "mtp")
-        if draft_dir is not None:
-            info = info.with_draft(RolloutModelInfo.from_checkpoint(draft_dir, from_files=not dummy))
+        # A dummy-loaded engine's expected weights come from transformers' model of its config, built on the meta
+        # device. vLLM's Transformers modeling backend (its engine for a family it has no class of its own for) puts
+        # its compile decorator on transformers' classes in place, and a decorated class asks vLLM for the current
+        # config when it is built: this engine's.
+        with set_current_vllm_config(vllm_config):
+            info = RolloutModelInfo.from_checkpoint(model_dir, from_files=not dummy,
+                                                    mtp=speculative_method(vllm_config) == "mtp")
+            if draft_dir is not None:
+                info = info.with_draft(RolloutModelInfo.from_checkpoint(draft_dir, from_files=not dummy))
         return cls(
             model_info=info,
             vocab_size=int(vllm_config.model_config.get_vocab_size()),

@@ -16,6 +16,7 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit.provenance import ScaleSource
+from tests.support.serving import assert_serves
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=23)
 FP8_KV = {"kv_cache_dtype": "fp8_e4m3"}
@@ -78,3 +79,14 @@ def test_moe_trainer_with_another_expert_count_is_refused_and_the_replica_keeps_
     status = ray.get(replica.status.remote())
     assert status.phase is refit.Phase.SERVING and status.served_version is None  # still its checkpoint's weights
     assert ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == before.token_ids
+
+
+def test_a_dummy_loaded_engine_on_vllms_transformers_backend_starts_and_syncs(actors_factory):
+    """vLLM's Transformers modeling backend puts its compile decorator on transformers' own classes in its process,
+    where describing a dummy-loaded engine builds transformers' model of the engine's config (regression: the
+    replica failed to start, as vLLM had no current config for the decorated class)."""
+    trainer = actors_factory.trainer(model_dir(True, "bf16"))
+    replica = actors_factory.rollout(model_dir(True, "fp8_block"), own_process=True, load_format="dummy",
+                                     extra={"model_impl": "transformers"}, **FP8_KV)
+    report = refit.sync(trainer, replica)
+    assert_serves([replica], trainer, report.version)
