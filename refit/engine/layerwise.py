@@ -27,6 +27,12 @@ original storage. Two kinds of module must not take part:
   them, and the draft's reload, walking into them, would put them back on
   the meta device after the target loaded them.
 
+A third kind is a module the engine does not have: a tied head (`TIED_HEAD`,
+which a plan for a model that ties its embeddings carries as a copy of the
+embedding) where no module of the model is a head, since the model takes
+its logits from the embedding itself (vLLM's Gemma 2). There is
+nothing to load it into, and the embedding's own load delivers its bytes.
+
 The alias's parameter names (`kept_out`) are never loaded: `load` drops them
 from what it hands `load_weights`, and the update from the weights it expects.
 """
@@ -40,6 +46,8 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from refit.plan.transfer_plan import TIED_HEAD
 
 __all__ = ["LayerwiseReload", "outermost", "tied_aliases"]
 
@@ -62,7 +70,7 @@ class LayerwiseReload:
         aliases = {name: tie for name, tie in tied_aliases(self.model).items() if not _under(name, self._owned_elsewhere)}
         self._pending = dict(aliases.values())
         self.kept_out = frozenset(f"{name}.{param}" for name, (alias, _) in aliases.items()
-                                  for param, _ in _own_parameters(alias))
+                                  for param, _ in _own_parameters(alias)) | _absent_head(self.model)
         with _detached(self.model, [*self._owned_elsewhere, *aliases]):
             initialize_layerwise_reload(self.model)
         self.is_open = True
@@ -110,6 +118,14 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, tor
         for _, param in params:
             owners.setdefault(id(param), module)
     return aliases
+
+
+def _absent_head(model: torch.nn.Module) -> frozenset[str]:
+    """`TIED_HEAD` if no module of `model` is a head (`lm_head`, at any depth): the model computes its logits from the
+    embedding, which holds the tied head's bytes (the module docstring)."""
+    head = TIED_HEAD.rpartition(".")[0]
+    has_head = any(name == head or name.endswith("." + head) for name, _ in model.named_modules())
+    return frozenset() if has_head else frozenset({TIED_HEAD})
 
 
 def _own_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

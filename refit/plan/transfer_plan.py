@@ -32,10 +32,11 @@ from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 
-__all__ = ["DRAFT_PREFIX", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "bucket_bound", "layer_key",
-           "make_plan"]
+__all__ = ["DRAFT_PREFIX", "TIED_HEAD", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "bucket_bound",
+           "layer_key", "make_plan"]
 
-_LM_HEAD = "lm_head.weight"
+TIED_HEAD = "lm_head.weight"
+"""The name a rollout that ties its embeddings loads its output head under: planned as a copy of the embedding."""
 
 DRAFT_PREFIX = "draft."
 """How a trainer names its speculative draft model's tensors: `draft.` + the draft checkpoint's name. The plan
@@ -228,8 +229,8 @@ def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, con
     what is refused."""
     by_name = {m.name: m for m in sources}
     targets = [(m.name, m.alias_of or m.name) for m in sources]
-    if rollout_model.tie_word_embeddings and _LM_HEAD not in by_name:
-        targets.append((_LM_HEAD, _embedding_name(by_name)))
+    if rollout_model.tie_word_embeddings and TIED_HEAD not in by_name:
+        targets.append((TIED_HEAD, _embedding_name(by_name)))
 
     quantizer = None
     if rollout_model.quantization_config is not None:
@@ -269,7 +270,7 @@ def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutM
     for t in planned:
         weight = expected.get(t.target)
         if weight is None:
-            if not (t.target == _LM_HEAD and rollout_model.tie_word_embeddings) and not may_stream(t.target):
+            if not (t.target == TIED_HEAD and rollout_model.tie_word_embeddings) and not may_stream(t.target):
                 problems.append(f"{t.target}: the rollout's model has no such weight (renamed, or extra in the trainer?)")
         elif weight.shape != t.shape:
             problems.append(f"{t.target}: shape {t.shape} from the trainer, {weight.shape} in the rollout's model")
@@ -319,7 +320,7 @@ def _embedding_name(by_name: dict[str, TensorMeta]) -> str:
     if len(candidates) != 1:
         raise PlanMismatchError(
             "the rollout model ties lm_head to the input embeddings, but the trainer reports no "
-            f"{_LM_HEAD} and {len(candidates)} embedding candidates {candidates}; report {_LM_HEAD} "
+            f"{TIED_HEAD} and {len(candidates)} embedding candidates {candidates}; report {TIED_HEAD} "
             "as a TensorMeta with alias_of=<embedding name>"
         )
     return candidates[0]

@@ -16,6 +16,8 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit.provenance import ScaleSource
+from tests.support.actors import engine_state, run_in
+from tests.support.checkpoints import write_fp8_block_checkpoint, write_variant
 from tests.support.serving import assert_serves
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=23)
@@ -79,6 +81,33 @@ def test_moe_trainer_with_another_expert_count_is_refused_and_the_replica_keeps_
     status = ray.get(replica.status.remote())
     assert status.phase is refit.Phase.SERVING and status.served_version is None  # still its checkpoint's weights
     assert ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == before.token_ids
+
+
+def test_a_model_without_a_head_module_loads_every_weight_as_its_checkpoint_does(actors_factory, tmp_path):
+    """vLLM's Gemma 2 ties its output head by taking logits from the embedding: it has no `lm_head` to load the
+    plan's tied head into (regression: every sync failed in `load_weights`). A tiny random Gemma 2, made here; its
+    engine, loaded from the FP8_BLOCK checkpoint, is synced away from those weights and back, and then holds every
+    parameter (FP8 codes, scales, bf16 norms) exactly as the checkpoint load left it."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                          max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          architectures=["Gemma2ForCausalLM"])
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "gemma2" / "bf16")
+    fp8 = write_fp8_block_checkpoint(tmp_path / "gemma2" / "bf16", tmp_path / "gemma2" / "fp8_block",
+                                     like=model_dir(True, "fp8_block"))
+    other, _ = write_variant(tmp_path / "gemma2" / "bf16", tmp_path / "other", seed=6)
+
+    replica = actors_factory.rollout(fp8, **FP8_KV)
+    loaded = run_in(replica, engine_state)
+    refit.sync(actors_factory.trainer(other), replica)
+    assert run_in(replica, engine_state) != loaded
+    report = refit.sync(actors_factory.trainer(tmp_path / "gemma2" / "bf16"), replica)
+    assert report.replicas[0].served_version == 2
+    assert run_in(replica, engine_state) == loaded
 
 
 def test_a_dummy_loaded_engine_on_vllms_transformers_backend_starts_and_syncs(actors_factory):
