@@ -35,10 +35,13 @@ from refit.plan.tensors import TensorMeta
 
 __all__ = ["CheckpointView", "checkpoint_tensors", "describe_weights"]
 
-# The modules transformers' save conversion creates (one expert's gate, up or
-# down projection) are Linear layers in the checkpoint format: llmcompressor
-# quantizes them as Linear, and vLLM matches a "Linear" target against its
-# fused experts too (`_add_fused_moe_to_target_scheme_map`).
+# The modules transformers' save conversion cuts out of a parameter (one
+# expert's gate, up or down projection) are Linear layers in the checkpoint
+# format: llmcompressor quantizes them as Linear, and vLLM matches a "Linear"
+# target against its fused experts too (`_add_fused_moe_to_target_scheme_map`).
+# A parameter the conversion only renames (a multimodal model's language
+# model, moved under `model.` on save; fused experts kept whole) stays what
+# its module is.
 _CONVERTED_MODULE_CLASSES = ("Linear",)
 
 
@@ -120,8 +123,8 @@ class CheckpointView:
         for name, param in self._params.items():
             alias_of = first_name.setdefault(id(param), name)
             dtype = str(self.wire_dtype(param)).removeprefix("torch.")
+            classes = tuple(c.__name__ for c in type(modules[name.rpartition(".")[0]]).__mro__)
             if whole.get(name) == tuple(param.shape):
-                classes = tuple(c.__name__ for c in type(modules[name.rpartition(".")[0]]).__mro__)
                 self._add(TensorMeta(name, tuple(param.shape), dtype, classes, alias_of if alias_of != name else None), name)
                 continue
             if alias_of != name:
@@ -134,7 +137,9 @@ class CheckpointView:
                         "which refit does not do"
                     )
                 self._pieces[piece] = _Piece(tuple(value.shape), tuple(value.stride()), value.storage_offset())
-                self._add(TensorMeta(piece, tuple(value.shape), dtype, _CONVERTED_MODULE_CLASSES, piece_of=name), name)
+                renamed = value.shape == param.shape and value.storage_offset() == 0
+                self._add(TensorMeta(piece, tuple(value.shape), dtype, classes if renamed else _CONVERTED_MODULE_CLASSES,
+                                     piece_of=name), name)
         ours = {m.name: m.shape for m in self._metas}
         if ours != whole:
             differ = sorted(set(ours.items()) ^ set(whole.items()))

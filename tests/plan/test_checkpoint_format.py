@@ -155,3 +155,34 @@ def test_fp32_master_weights_are_described_and_read_in_the_wire_dtype():
         value = view.tensor(name)
         assert value.dtype == torch.bfloat16 and torch.equal(value, reference.tensor(name))  # bf16 -> fp32 -> bf16 is exact
     assert CheckpointView(model).tensor("model.embed_tokens.weight").dtype == torch.float32  # no wire dtype: as held
+
+
+def test_a_parameter_the_save_conversion_only_renames_keeps_its_module_class():
+    """A multimodal model's language model is moved under `model.` on save (a rename), and GraniteMoE's fused
+    experts keep their 3-D form under a checkpoint name: neither is a Linear layer in the checkpoint format, so an
+    FP8_BLOCK plan quantizes the projections and leaves norms, the embedding and 3-D experts as they are
+    (regression: every renamed parameter was described as a Linear one, norms and embeddings included)."""
+    from transformers import GraniteMoeConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    vision = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256, fullatt_block_indexes=[0])
+    with torch.device("meta"):
+        vlm = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}}, vision_config=vision,
+            image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503))
+        granite = AutoModelForCausalLM.from_config(GraniteMoeConfig(**{**text, "intermediate_size": 256}, num_local_experts=4,
+                                                                   num_experts_per_tok=2))
+    scheme = RolloutModelInfo.from_checkpoint(model_dir(True, "fp8_block"), from_files=True).quantization_config
+
+    plan = make_plan(describe_weights(vlm), RolloutModelInfo(scheme, False), SyncConfig(check_against_rollout=False))
+    quantized = {t.target for t in plan.tensors if t.block is not None}
+    assert "model.layers.0.self_attn.q_proj.weight" in quantized  # renamed from model.language_model.layers.0...
+    assert not quantized & {"model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"}
+
+    plan = make_plan(describe_weights(granite), RolloutModelInfo(scheme, False), SyncConfig(check_against_rollout=False))
+    experts = {t.target: t.block for t in plan.tensors if ".block_sparse_moe." in t.target}
+    assert experts == dict.fromkeys(["model.layers.0.block_sparse_moe.input_linear.weight",
+                                     "model.layers.0.block_sparse_moe.output_linear.weight",
+                                     "model.layers.0.block_sparse_moe.router.layer.weight"])
+    assert {t.target for t in plan.tensors if t.block is not None} >= {"model.layers.0.self_attn.q_proj.weight"}
