@@ -35,6 +35,18 @@ nothing to load it into, and the embedding's own load delivers its bytes.
 
 The alias's parameter names (`kept_out`) are never loaded: `load` drops them
 from what it hands `load_weights`, and the update from the weights it expects.
+
+One kind of module takes part but must be processed as on its first load:
+**unquantized MoE experts on a CPU.** vLLM's unquantized MoE method takes a
+call after its kernel exists for a weight update and then skips the
+experts' own processing, which on a CPU packs the weights into the grouped
+GEMM's layout (`CPUUnquantizedExperts`): the reload would copy the new,
+unpacked values into the packed storage and the kernel would read them as
+packed (every synced bf16 MoE served garbage). For the reload's duration
+such methods have no kernel, so each layer's processing packs its new
+weights as the first load did and the reload copies the packed values into
+the original storage; `close` gives each method back the kernel it had,
+which reads those Parameters.
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -63,6 +77,7 @@ class LayerwiseReload:
         self._owned_elsewhere = list(owned_elsewhere)
         self._pending: dict[torch.nn.Module, torch.nn.Module] = {}  # tied alias -> the module its Parameter is from
         self.kept_out: frozenset[str] = frozenset()
+        self._kernels: list[tuple[Any, Any, Any]] = []  # (MoE method, its kernel, its quant config) while suspended
         self.is_open = False
 
     def open(self) -> None:
@@ -73,6 +88,9 @@ class LayerwiseReload:
                                   for param, _ in _own_parameters(alias)) | _absent_head(self.model)
         with _detached(self.model, [*self._owned_elsewhere, *aliases]):
             initialize_layerwise_reload(self.model)
+        self._kernels = [(method, method.moe_kernel, method.moe_quant_config) for method in _cpu_packed_experts(self.model)]
+        for method, _, _ in self._kernels:
+            method.moe_kernel = None  # its next processing packs the new weights, as on the first load
         self.is_open = True
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
@@ -93,8 +111,13 @@ class LayerwiseReload:
     def close(self) -> None:
         """Finalize the reload (layers that received nothing get their old tensors back), then process the tied
         aliases not processed yet over the values their Parameter now holds."""
-        with _detached(self.model, self._owned_elsewhere):
-            finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            with _detached(self.model, self._owned_elsewhere):
+                finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            kernels, self._kernels = self._kernels, []
+            for method, kernel, quant_config in kernels:
+                method.moe_kernel, method.moe_quant_config = kernel, quant_config
         self.is_open = False
         pending, self._pending = self._pending, {}
         for alias in pending:
@@ -118,6 +141,17 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, tor
         for _, param in params:
             owners.setdefault(id(param), module)
     return aliases
+
+
+def _cpu_packed_experts(model: torch.nn.Module) -> list[Any]:
+    """The unquantized MoE methods of `model` whose experts pack the weights on a CPU (the module docstring)."""
+    methods = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and isinstance(experts, CPUUnquantizedExperts):
+            methods.append(method)
+    return methods
 
 
 def _absent_head(model: torch.nn.Module) -> frozenset[str]:

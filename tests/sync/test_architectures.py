@@ -101,11 +101,26 @@ def test_a_model_without_a_head_module_loads_every_weight_as_its_checkpoint_does
                                      like=model_dir(True, "fp8_block"))
     other, _ = write_variant(tmp_path / "gemma2" / "bf16", tmp_path / "other", seed=6)
 
-    replica = actors_factory.rollout(fp8, **FP8_KV)
+    assert_synced_away_and_back(actors_factory.rollout(fp8, **FP8_KV), actors_factory.trainer(other),
+                                actors_factory.trainer(tmp_path / "gemma2" / "bf16"))
+
+
+def test_a_bf16_moe_rollout_loads_every_expert_as_its_checkpoint_does(actors_factory):
+    """On a CPU vLLM packs unquantized experts into its grouped GEMM's layout on the first load only; a weight
+    update skipped the packing (regression: the reload copied unpacked values into the packed storage, and every
+    synced bf16 MoE served garbage, logprobs 2.5 away from a fresh engine's)."""
+    bf16 = model_dir(False, "bf16", arch="qwen3_moe")
+    assert_synced_away_and_back(actors_factory.rollout(bf16), actors_factory.trainer(bf16, reinitialize=True, seed=11),
+                                actors_factory.trainer(bf16))
+
+
+def assert_synced_away_and_back(replica, other, same) -> None:
+    """`replica` was loaded from `same`'s checkpoint: synced from `other` (every parameter changes), then from `same`,
+    it holds every parameter exactly as the checkpoint load left it."""
     loaded = run_in(replica, engine_state)
-    refit.sync(actors_factory.trainer(other), replica)
+    refit.sync(other, replica)
     assert run_in(replica, engine_state) != loaded
-    report = refit.sync(actors_factory.trainer(tmp_path / "gemma2" / "bf16"), replica)
+    report = refit.sync(same, replica)
     assert report.replicas[0].served_version == 2
     assert run_in(replica, engine_state) == loaded
 
