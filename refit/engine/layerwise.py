@@ -56,7 +56,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -145,6 +144,10 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, tor
 
 def _cpu_packed_experts(model: torch.nn.Module) -> list[Any]:
     """The unquantized MoE methods of `model` whose experts pack the weights on a CPU (the module docstring)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without its CPU MoE kernels has no such experts
+        return []
     methods = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
