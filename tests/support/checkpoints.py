@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
-__all__ = ["write_fewer_layers", "write_fp8_block_checkpoint", "write_variant"]
+__all__ = ["write_fewer_layers", "write_fp8_block_checkpoint", "write_random", "write_variant"]
 
 
 def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, like: str | Path) -> Path:
@@ -59,16 +59,23 @@ def write_fewer_layers(bf16_dir: str | Path, out_dir: str | Path, layers: int) -
 def write_variant(bf16_dir: str | Path, out_dir: str | Path, *, seed: int, **config: object) -> tuple[Path, Path]:
     """A random bf16 model like `bf16_dir` with `config`'s fields changed (layers, vocabulary, KV heads), and its
     FP8_BLOCK checkpoint (the fixture's scheme): `(bf16 dir, fp8 dir)` under `out_dir`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     changed = AutoConfig.from_pretrained(bf16_dir)
     for field, value in config.items():
         setattr(changed, field, value)
     if getattr(changed, "layer_types", None):
         changed.layer_types = [changed.layer_types[0]] * changed.num_hidden_layers
+    return write_random(changed, out_dir, seed=seed, like=Path(bf16_dir).parent / "fp8_block")
+
+
+def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | Path) -> tuple[Path, Path]:
+    """A random bf16 model of transformers `config` and its FP8_BLOCK checkpoint in the scheme of checkpoint `like`:
+    `(bf16 dir, fp8 dir)` under `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     bf16 = Path(out_dir) / "bf16"
-    AutoModelForCausalLM.from_config(changed).to(torch.bfloat16).save_pretrained(bf16)
-    like = Path(bf16_dir).parent / "fp8_block"
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(bf16)
     return bf16, write_fp8_block_checkpoint(bf16, Path(out_dir) / "fp8_block", like=like)

@@ -17,7 +17,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit.provenance import ScaleSource
 from tests.support.actors import engine_state, run_in
-from tests.support.checkpoints import write_fp8_block_checkpoint, write_variant
+from tests.support.checkpoints import write_random, write_variant
 from tests.support.serving import assert_serves
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=23)
@@ -88,21 +88,17 @@ def test_a_model_without_a_head_module_loads_every_weight_as_its_checkpoint_does
     plan's tied head into (regression: every sync failed in `load_weights`). A tiny random Gemma 2, made here; its
     engine, loaded from the FP8_BLOCK checkpoint, is synced away from those weights and back, and then holds every
     parameter (FP8 codes, scales, bf16 norms) exactly as the checkpoint load left it."""
-    import torch
-    from transformers import AutoModelForCausalLM, Gemma2Config
+    from transformers import Gemma2Config
 
     config = Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
                           max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                           architectures=["Gemma2ForCausalLM"])
-    torch.manual_seed(5)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "gemma2" / "bf16")
-    fp8 = write_fp8_block_checkpoint(tmp_path / "gemma2" / "bf16", tmp_path / "gemma2" / "fp8_block",
-                                     like=model_dir(True, "fp8_block"))
-    other, _ = write_variant(tmp_path / "gemma2" / "bf16", tmp_path / "other", seed=6)
+    bf16, fp8 = write_random(config, tmp_path / "gemma2", seed=5, like=model_dir(True, "fp8_block"))
+    other, _ = write_variant(bf16, tmp_path / "other", seed=6)
 
     assert_synced_away_and_back(actors_factory.rollout(fp8, **FP8_KV), actors_factory.trainer(other),
-                                actors_factory.trainer(tmp_path / "gemma2" / "bf16"))
+                                actors_factory.trainer(bf16))
 
 
 def test_a_bf16_moe_rollout_loads_every_expert_as_its_checkpoint_does(actors_factory):
