@@ -64,7 +64,8 @@ class MegatronRank(RankProcess):
         with collector_paused():
             from megatron.core import parallel_state
         freeze_import_heap()
-        from refit.sharding.megatron import load_hf_checkpoint, megatron_source
+        from refit.provenance.tracker import checkpoint_tensor_names
+        from refit.sharding.megatron import CheckpointNames, load_hf_checkpoint, megatron_source
 
         if torch.distributed.is_initialized():
             raise ConfigError(f"megatron rank {self.rank} is in a group already: its leave_group() comes before it joins another")
@@ -75,8 +76,9 @@ class MegatronRank(RankProcess):
             expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         )
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.model = _gpt_model(hf_config, layout)
-        self.source = megatron_source(self.model, vocab_size=hf_config["vocab_size"])
+        self.model = _gpt_model(hf_config, checkpoint_tensor_names(model_dir), layout)
+        self.source = megatron_source(self.model, vocab_size=hf_config["vocab_size"],
+                                      names=CheckpointNames.for_model_type(hf_config.get("model_type", "")))
         load_hf_checkpoint(self.source.layout, model_dir)
 
     def leave_group(self) -> None:
@@ -141,16 +143,24 @@ def _quiet_megatron_imports() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
-def _gpt_model(hf: dict, parallel: MegatronParallel) -> torch.nn.Module:
-    """This rank's pipeline stage of a `GPTModel` shaped like the checkpoint config `hf` (bf16 parameters, as
-    Megatron's mixed precision keeps them; its optimizer would hold the fp32 masters)."""
+def _gpt_model(hf: dict, tensors: frozenset[str], parallel: MegatronParallel) -> torch.nn.Module:
+    """This rank's pipeline stage of a `GPTModel` shaped like the checkpoint of config `hf` and tensor names `tensors`
+    (bf16 parameters, as Megatron's mixed precision keeps them; its optimizer would hold the fp32 masters).
+
+    Which optional parts a layer has (q/k/v biases, q/k norms, a gate on the shared expert) is read from the
+    tensors, not the config: Qwen2's config, for one, does not say that its attention has biases.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    def has(suffix: str) -> bool:
+        return any(name.endswith(suffix) for name in tensors)
+
     experts = hf.get("num_experts") or hf.get("num_local_experts") or None
-    qk_norm = hf.get("model_type", "").startswith("qwen3")
+    qk_norm = has(".self_attn.q_norm.weight")
+    shared_ffn = hf.get("shared_expert_intermediate_size") if experts else None  # Qwen2-MoE's shared expert
     uneven = {}
     if parallel.first_stage_layers is not None:
         uneven = {"num_layers_in_first_pipeline_stage": parallel.first_stage_layers}
@@ -160,11 +170,13 @@ def _gpt_model(hf: dict, parallel: MegatronParallel) -> torch.nn.Module:
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=qk_norm,
+        add_qkv_bias=has(".self_attn.q_proj.bias"), qk_layernorm=qk_norm,
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
-        num_moe_experts=experts, moe_ffn_hidden_size=hf.get("moe_intermediate_size") if experts else None,
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=(hf.get("moe_intermediate_size") or hf["intermediate_size"]) if experts else None,
         moe_router_topk=hf.get("num_experts_per_tok", 2) if experts else 2,
+        moe_shared_expert_intermediate_size=shared_ffn or None, moe_shared_expert_gate=has(".shared_expert_gate.weight"),
         use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, bf16=True, **uneven,
     )

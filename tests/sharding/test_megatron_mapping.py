@@ -10,13 +10,15 @@ tests/sync/test_megatron_source.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from refit.errors import ConfigError
-from refit.sharding.megatron import MegatronDims, RankPlace, slots_of
+from refit.sharding.megatron import CheckpointNames, MegatronDims, RankPlace, slots_of
+from refit.sharding.megatron.checkpoint import untaken
 
 DENSE = MegatronDims(hidden=32, heads=8, query_groups=4, head_dim=8, ffn=48, vocab=61, padded_vocab=64, tied=False)
 MOE = MegatronDims(hidden=32, heads=4, query_groups=2, head_dim=8, ffn=48, vocab=64, padded_vocab=64, tied=False,
@@ -129,6 +131,37 @@ def test_experts_router_and_shared_experts_tile_over_expert_parallel_ranks(tp, e
     assert "model.layers.5.mlp.shared_expert_gate.weight" in checkpoint
     for name, value in checkpoint.items():
         assert torch.equal(rebuilt[name], value), name
+
+
+@pytest.mark.parametrize("experts", ["local_experts", "grouped"])
+def test_a_family_names_its_moe_parts_its_own_way(experts):
+    """Mixtral: `block_sparse_moe.gate` routes over `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down)."""
+    mixtral = dataclasses.replace(MOE, shared_ffn=0, names=CheckpointNames.for_model_type("mixtral"))
+    local = {"local_experts": ["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+                               "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"],
+             "grouped": ["decoder.layers.0.mlp.experts.weight1", "decoder.layers.0.mlp.experts.weight2"]}[experts]
+    checkpoint, rebuilt = round_trip(mixtral, places(1, 2, 1), ["decoder.layers.0.mlp.router.weight", *local])
+    numbers = [1, 3] if experts == "local_experts" else [0, 1, 2, 3]
+    assert set(checkpoint) == {"model.layers.5.block_sparse_moe.gate.weight"} | {
+        f"model.layers.5.block_sparse_moe.experts.{e}.{w}.weight" for e in numbers for w in ("w1", "w2", "w3")}
+    for name, value in checkpoint.items():
+        assert torch.equal(rebuilt[name], value), name
+    assert CheckpointNames.for_model_type("qwen3_moe") == CheckpointNames() == MOE.names
+
+
+def test_checkpoint_tensors_of_the_ranks_layers_that_nothing_takes_are_named():
+    """What `load_hf_checkpoint` refuses: a tensor of a layer the rank holds that none of its slots reads (a model built
+    without the checkpoint's biases), but not another stage's layers, another EP rank's experts, or rotary frequencies."""
+    place = RankPlace(ep_rank=1, ep_size=2)
+    names = ["decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.router.weight",
+             "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]  # expert 3's gate and up rows
+    taken = {slot.target for name in names for slot in slots_of(name, local_shape(name, MOE, place), MOE, place, lambda i: i + 2)}
+    layer = "model.layers.2."
+    checkpoint = [*taken, layer + "self_attn.q_proj.bias", layer + "self_attn.rotary_emb.inv_freq",
+                  layer + "mlp.experts.0.gate_proj.weight", layer + "mlp.experts.1.up_proj.weight",  # EP rank 0's
+                  layer + "mlp.experts.0.down_proj.weight",  # not taken for any expert here: fc2 was never built
+                  "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.visual.layers.2.qkv.weight"]
+    assert untaken(checkpoint, taken) == [layer + "mlp.experts.0.down_proj.weight", layer + "self_attn.q_proj.bias"]
 
 
 def test_grouped_mlp_buffers_compute_what_the_checkpoint_experts_compute():

@@ -19,8 +19,10 @@ from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 __all__ = ["write_fewer_layers", "write_fp8_block_checkpoint", "write_random", "write_variant"]
 
 
-def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, like: str | Path) -> Path:
-    """Quantize `bf16_dir` into `out_dir` with the quantization_config of checkpoint `like`."""
+def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, like: str | Path,
+                               ignore: list[str] | None = None) -> Path:
+    """Quantize `bf16_dir` into `out_dir` with the quantization_config of checkpoint `like` (its `ignore` list replaced
+    by `ignore` if given: the modules left bf16, by name or `re:` pattern)."""
     from transformers import AutoModelForCausalLM
 
     from refit.plan import describe_weights, module_classes
@@ -28,6 +30,8 @@ def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, lik
     bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
     config = json.loads((bf16_dir / "config.json").read_text())
     config["quantization_config"] = json.loads((Path(like) / "config.json").read_text())["quantization_config"]
+    if ignore is not None:
+        config["quantization_config"]["ignore"] = ignore
     model = AutoModelForCausalLM.from_pretrained(bf16_dir)
     classes = module_classes(describe_weights(model))
     quantizer = Fp8BlockQuantizer(Fp8BlockScheme.from_quantization_config(config["quantization_config"]), classes)
@@ -69,13 +73,14 @@ def write_variant(bf16_dir: str | Path, out_dir: str | Path, *, seed: int, **con
     return write_random(changed, out_dir, seed=seed, like=Path(bf16_dir).parent / "fp8_block")
 
 
-def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | Path) -> tuple[Path, Path]:
-    """A random bf16 model of transformers `config` and its FP8_BLOCK checkpoint in the scheme of checkpoint `like`:
-    `(bf16 dir, fp8 dir)` under `out_dir`."""
+def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | Path,
+                 ignore: list[str] | None = None) -> tuple[Path, Path]:
+    """A random bf16 model of transformers `config` and its FP8_BLOCK checkpoint in the scheme of checkpoint `like`
+    (`ignore`: as `write_fp8_block_checkpoint`'s): `(bf16 dir, fp8 dir)` under `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     bf16 = Path(out_dir) / "bf16"
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(bf16)
-    return bf16, write_fp8_block_checkpoint(bf16, Path(out_dir) / "fp8_block", like=like)
+    return bf16, write_fp8_block_checkpoint(bf16, Path(out_dir) / "fp8_block", like=like, ignore=ignore)

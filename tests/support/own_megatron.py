@@ -14,7 +14,7 @@ import ray
 import torch
 
 import refit
-from refit.sharding.megatron import load_hf_checkpoint, megatron_source
+from refit.sharding.megatron import CheckpointNames, load_hf_checkpoint, megatron_source
 
 
 @ray.remote
@@ -24,12 +24,14 @@ class OwnMegatronRank:
         from megatron.core import parallel_state
 
         from actors.megatron_group import MegatronParallel, _gpt_model
+        from refit.provenance.tracker import checkpoint_tensor_names
 
         torch.distributed.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
                                              world_size=world_size)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.model = _gpt_model(config, MegatronParallel(tp=tp))  # the job's own model, built its own way
-        self.source = megatron_source(self.model, vocab_size=config["vocab_size"])
+        self.model = _gpt_model(config, checkpoint_tensor_names(model_dir), MegatronParallel(tp=tp))  # built its own way
+        self.source = megatron_source(self.model, vocab_size=config["vocab_size"],
+                                      names=CheckpointNames.for_model_type(config["model_type"]))
         load_hf_checkpoint(self.source.layout, model_dir)
         self.weights = refit.TrainerWeights(self.source.metadata, self.source.stream)

@@ -21,7 +21,7 @@ import refit
 from actors import MegatronGroup, MegatronParallel
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, model_dir
 from tests.support.actors import change_megatron, change_trainer, engine_state, nudge, run_in
-from tests.support.checkpoints import write_variant
+from tests.support.checkpoints import write_random, write_variant
 
 FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
 CONFIG = refit.SyncConfig(transport="ray", bucket_bytes=256 << 10)  # deltas, as between hosts (shm sends whole buckets)
@@ -116,6 +116,37 @@ def test_qwen3_moe_over_expert_parallel_ranks(actors_factory, parallel, nodes):
     # Each expert lies whole on one EP rank, each dense layer on both (one data-parallel replica sends): nothing is
     # gathered but, with TP, what tensor-parallel ranks split.
     assert (first.gathered_bytes == 0) == (parallel.tp == 1 and parallel.etp == 1)
+
+
+def moe_family(family: str, tmp_path) -> tuple:
+    """A tiny random MoE model of another family (bf16 and FP8_BLOCK checkpoints), its routers left bf16 as
+    llmcompressor's MoE recipes leave them."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0)
+    config = {
+        # q/k/v biases, and a shared expert with a sigmoid gate beside the routed experts
+        "qwen2_moe": lambda: Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=256,
+                                            shared_expert_intermediate_size=256, architectures=["Qwen2MoeForCausalLM"]),
+        # the experts as block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
+        "mixtral": lambda: MixtralConfig(**common, num_local_experts=4, architectures=["MixtralForCausalLM"]),
+    }[family]()
+    return write_random(config, tmp_path / family, seed=11, like=model_dir(False, "fp8_block"), ignore=["lm_head", "re:.*gate$"])
+
+
+@pytest.mark.parametrize("family, parallel, changed", [
+    ("qwen2_moe", MegatronParallel(tp=2), ["model.layers.1.self_attn.q_proj.bias", "model.layers.0.mlp.shared_expert_gate.weight",
+                                           "model.layers.0.mlp.shared_expert.up_proj.weight",
+                                           "model.layers.1.mlp.experts.2.down_proj.weight"]),
+    ("mixtral", MegatronParallel(ep=2), ["model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                                         "model.layers.1.block_sparse_moe.gate.weight"]),
+], ids=["qwen2_moe-tp2", "mixtral-ep2"])
+def test_moe_families_that_name_or_build_their_layers_their_own_way(actors_factory, tmp_path, family, parallel, changed):
+    """Regression: the group built Qwen2-MoE without its q/k/v biases and shared expert (Qwen2's config does not
+    name its biases) and dropped those checkpoint tensors silently; Mixtral's experts were sent under Qwen's names."""
+    bf16, fp8 = moe_family(family, tmp_path)
+    assert_megatron_syncs_like_a_trainer(actors_factory, bf16, fp8, parallel, (0, 1), changed)
 
 
 def test_a_megatron_rank_that_dies_in_a_gather_is_named_and_the_replica_is_never_half_served(actors_factory):

@@ -5,12 +5,16 @@ Hugging Face checkpoint, and refit's own Megatron ranks, must put every row
 where the sync will look for it; one mapping (`mapping.slots_of`) serves both
 directions, so a model loaded here and streamed back is the checkpoint again.
 Padding rows of the vocabulary are zeroed; a tied output layer on the last
-pipeline stage gets the embedding's rows.
+pipeline stage gets the embedding's rows. A checkpoint tensor of the rank's
+decoder layers that no parameter takes is refused, not dropped: a model
+built without the checkpoint's biases, norms or shared experts would train
+without them, and its syncs would fail only later, on the rollout's side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Collection, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,7 +23,10 @@ import torch
 from refit.errors import PlanMismatchError
 from refit.sharding.megatron.layout import MegatronLayout
 
-__all__ = ["change_checkpoint_tensors", "load_hf_checkpoint"]
+__all__ = ["change_checkpoint_tensors", "load_hf_checkpoint", "untaken"]
+
+_DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the names `mapping.slots_of` gives decoder layers
+_EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 
 
 @torch.no_grad()
@@ -42,6 +49,8 @@ def load_hf_checkpoint(layout: MegatronLayout, model_dir: str | Path) -> None:
         problems += [f"{slot.target}: shape {shape} in {model_dir}, {slot.shape} in the megatron model"
                      for _, _, slot in slots if slot.target in where
                      and (shape := tuple(where[slot.target].get_slice(slot.target).get_shape())) != slot.shape]
+        problems += [f"{name}: in {model_dir}, but no parameter of the megatron model takes it (was the model built "
+                     "without it?)" for name in untaken(where, {slot.target for _, _, slot in slots})]
         if problems:
             raise PlanMismatchError("cannot load the checkpoint into the megatron model:\n  " + "\n  ".join(problems))
         for name, param in layout.model.named_parameters():
@@ -67,3 +76,17 @@ def change_checkpoint_tensors(layout: MegatronLayout, names: Iterable[str], chan
                 view.copy_(change(view))
             changed += 1
     return changed
+
+
+def untaken(checkpoint: Iterable[str], taken: Collection[str]) -> list[str]:
+    """The checkpoint tensors of the decoder layers a rank holds that none of its slots (`taken`: their targets) reads.
+
+    Only layers the rank holds are judged (other pipeline stages hold the rest), and an expert another
+    expert-parallel rank holds is taken when this rank takes the same tensor of one of its own experts.
+    Rotary frequencies, which some checkpoints store, are computed, not trained.
+    """
+    layers = {m.group(1) for name in taken if (m := _DECODER_LAYER.match(name))}
+    expert_tensors = {_EXPERT_NUMBER.sub(".experts.*.", name) for name in taken if _EXPERT_NUMBER.search(name)}
+    return sorted(name for name in checkpoint
+                  if (m := _DECODER_LAYER.match(name)) and m.group(1) in layers and name not in taken
+                  and _EXPERT_NUMBER.sub(".experts.*.", name) not in expert_tensors and not name.endswith(".inv_freq"))

@@ -20,7 +20,7 @@ from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
 from refit.sharding.layout import ABSENT
-from refit.sharding.megatron.mapping import MegatronDims, RankPlace, Slot, slots_of
+from refit.sharding.megatron.mapping import CheckpointNames, MegatronDims, RankPlace, Slot, slots_of
 from refit.sharding.routes import RowRange
 
 __all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "unwrap"]
@@ -30,15 +30,16 @@ _MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module")
 
 
 class MegatronLayout:
-    """`RankLayout` of one megatron-core rank; `vocab_size` is the checkpoint's (Megatron pads its own)."""
+    """`RankLayout` of one megatron-core rank; `vocab_size` is the checkpoint's (Megatron pads its own), `names` what
+    it calls the MoE parts."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, wire_dtype: torch.dtype = torch.bfloat16,
-                 shared_expert_prefix: str = "mlp.shared_expert") -> None:
+                 names: CheckpointNames | None = None) -> None:
         from megatron.core import parallel_state
 
         self.model = unwrap(model)
         self.wire_dtype = wire_dtype
-        self.dims = megatron_dims(self.model, vocab_size, shared_expert_prefix)
+        self.dims = megatron_dims(self.model, vocab_size, names)
         self.place = RankPlace(
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -132,7 +133,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def megatron_dims(model: torch.nn.Module, vocab_size: int, shared_expert_prefix: str = "mlp.shared_expert") -> MegatronDims:
+def megatron_dims(model: torch.nn.Module, vocab_size: int, names: CheckpointNames | None = None) -> MegatronDims:
     """The global sizes of an (unwrapped) `GPTModel`, from its `TransformerConfig`."""
     config = model.config
     if not config.gated_linear_unit:
@@ -146,7 +147,7 @@ def megatron_dims(model: torch.nn.Module, vocab_size: int, shared_expert_prefix:
         ffn=config.ffn_hidden_size, vocab=vocab_size, padded_vocab=padded,
         tied=bool(getattr(model, "share_embeddings_and_output_weights", False)),
         num_experts=config.num_moe_experts or 0, moe_ffn=config.moe_ffn_hidden_size or 0,
-        shared_ffn=config.moe_shared_expert_intermediate_size or 0, shared_expert_prefix=shared_expert_prefix,
+        shared_ffn=config.moe_shared_expert_intermediate_size or 0, names=names or CheckpointNames(),
     )
 
 

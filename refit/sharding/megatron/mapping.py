@@ -27,6 +27,9 @@ Megatron's layouts covered, per TP rank `r` of `tp` (ETP for experts):
   (TEGroupedMLP) as per-expert linears; the legacy GroupedMLP's
   `weight1`/`weight2` hold every local expert's transposed weights in one
   buffer. Expert `j` of EP rank `e` is global expert `e * E/ep + j`.
+
+The checkpoint names are the same for every family in the dense layers;
+a MoE layer's are the family's (`CheckpointNames`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,32 @@ import torch
 
 from refit.errors import ConfigError
 
-__all__ = ["MegatronDims", "Piece", "RankPlace", "Slot", "slots_of"]
+__all__ = ["CheckpointNames", "MegatronDims", "Piece", "RankPlace", "Slot", "slots_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointNames:
+    """What the rollout's checkpoint calls the MoE parts whose names differ between model families.
+
+    Megatron names a MoE layer's parts by role (router, experts, shared
+    experts); checkpoints name them by family. The defaults are Qwen2-MoE's
+    and Qwen3-MoE's: `mlp.gate` routes over `mlp.experts.{e}.gate_proj`,
+    `up_proj` and `down_proj`, beside `mlp.shared_expert` and its
+    `mlp.shared_expert_gate`. Dense families have no MoE parts, so any names
+    fit them. `for_model_type` gives another family's.
+    """
+
+    moe_block: str = "mlp"  # Mixtral's is "block_sparse_moe"
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down; Mixtral's w1, w3, w2
+    shared_expert: str = "mlp.shared_expert"  # DeepSeek's is "mlp.shared_experts"
+
+    @classmethod
+    def for_model_type(cls, model_type: str) -> CheckpointNames:
+        """The names of a Hugging Face `model_type` (its config.json's); the defaults for a family not listed."""
+        return _FAMILY_NAMES.get(model_type, cls())
+
+
+_FAMILY_NAMES = {"mixtral": CheckpointNames("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +85,7 @@ class MegatronDims:
     num_experts: int = 0
     moe_ffn: int = 0
     shared_ffn: int = 0
-    shared_expert_prefix: str = "mlp.shared_expert"  # Qwen2-MoE's name; DeepSeek's is "mlp.shared_experts"
+    names: CheckpointNames = CheckpointNames()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +148,7 @@ class Slot:
             offset += size
 
 
+_DENSE_GATE_UP = ("gate_proj", "up_proj")  # every family's dense and shared-expert MLPs
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TE_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
@@ -173,13 +202,13 @@ def _slots(name: str, dims: MegatronDims, place: RankPlace, global_layer: Callab
         return [_columns(prefix + "self_attn.o_proj.weight", dims.hidden, dims.heads * dims.head_dim, place.tp_rank,
                          place.tp_size, "tp")]
     if rest == "mlp.linear_fc1.weight":
-        return _gate_up(prefix + "mlp.", dims.ffn, dims.hidden, place.tp_rank, place.tp_size, "tp")
+        return _gate_up(prefix + "mlp.", _DENSE_GATE_UP, dims.ffn, dims.hidden, place.tp_rank, place.tp_size, "tp")
     if rest == "mlp.linear_fc2.weight":
         return [_columns(prefix + "mlp.down_proj.weight", dims.hidden, dims.ffn, place.tp_rank, place.tp_size, "tp")]
     if rest == "mlp.router.weight":
-        return [_whole(prefix + "mlp.gate.weight", (dims.num_experts, dims.hidden), "linear")]
+        return [_whole(f"{prefix}{dims.names.moe_block}.gate.weight", (dims.num_experts, dims.hidden), "linear")]
     if rest.startswith("mlp.shared_experts."):
-        return _shared_expert(prefix + dims.shared_expert_prefix + ".", rest.removeprefix("mlp.shared_experts."), dims, place)
+        return _shared_expert(prefix + dims.names.shared_expert + ".", rest.removeprefix("mlp.shared_experts."), dims, place)
     return _expert(prefix, rest, dims, place)
 
 
@@ -215,12 +244,12 @@ def _qkv(prefix: str, kind: str, dims: MegatronDims, place: RankPlace) -> list[S
     return slots
 
 
-def _gate_up(prefix: str, ffn: int, hidden: int, rank: int, size: int, group: str) -> list[Slot]:
-    """A gated fc1: the rank's gate rows, then its up rows."""
+def _gate_up(prefix: str, names: tuple[str, ...], ffn: int, hidden: int, rank: int, size: int, group: str) -> list[Slot]:
+    """A gated fc1: the rank's gate rows, then its up rows (checkpoint tensors `names[0]` and `names[1]`)."""
     rows = _divide(ffn, size, f"{prefix}: the MLP's hidden size")
     return [Slot(f"{prefix}{name}.weight", (ffn, hidden), 0, rank * rows, (rank + 1) * rows,
                  (Piece((slice(i * rows, (i + 1) * rows),)),), group if size > 1 else None, "linear")
-            for i, name in enumerate(("gate_proj", "up_proj"))]
+            for i, name in enumerate(names[:2])]
 
 
 def _columns(target: str, rows: int, columns: int, rank: int, size: int, group: str) -> Slot:
@@ -232,7 +261,7 @@ def _columns(target: str, rows: int, columns: int, rank: int, size: int, group: 
 
 def _shared_expert(prefix: str, rest: str, dims: MegatronDims, place: RankPlace) -> list[Slot] | None:
     if rest == "linear_fc1.weight":
-        return _gate_up(prefix, dims.shared_ffn, dims.hidden, place.tp_rank, place.tp_size, "tp")
+        return _gate_up(prefix, _DENSE_GATE_UP, dims.shared_ffn, dims.hidden, place.tp_rank, place.tp_size, "tp")
     if rest == "linear_fc2.weight":
         return [_columns(prefix + "down_proj.weight", dims.hidden, dims.shared_ffn, place.tp_rank, place.tp_size, "tp")]
     if rest == "gate_weight":
@@ -245,10 +274,12 @@ def _expert(prefix: str, rest: str, dims: MegatronDims, place: RankPlace) -> lis
     first = place.ep_rank * local
     if match := _LOCAL_EXPERT.match(rest) or _TE_EXPERT.match(rest):
         which, fc = (match.group(1), match.group(2)) if rest.startswith("mlp.experts.local") else (match.group(2), match.group(1))
-        expert = f"{prefix}mlp.experts.{first + int(which)}."
+        expert = f"{prefix}{dims.names.moe_block}.experts.{first + int(which)}."
         if fc == "linear_fc1":
-            return _gate_up(expert, dims.moe_ffn, dims.hidden, place.etp_rank, place.etp_size, "etp")
-        return [_columns(expert + "down_proj.weight", dims.hidden, dims.moe_ffn, place.etp_rank, place.etp_size, "etp")]
+            return _gate_up(expert, dims.names.expert_projections, dims.moe_ffn, dims.hidden, place.etp_rank, place.etp_size,
+                            "etp")
+        down = f"{expert}{dims.names.expert_projections[2]}.weight"
+        return [_columns(down, dims.hidden, dims.moe_ffn, place.etp_rank, place.etp_size, "etp")]
     if rest in ("mlp.experts.weight1", "mlp.experts.weight2"):
         return _grouped(prefix, rest, dims, place, local, first)
     return None
@@ -260,17 +291,18 @@ def _grouped(prefix: str, rest: str, dims: MegatronDims, place: RankPlace, local
         raise ConfigError("megatron's legacy GroupedMLP with expert tensor parallelism > 1 is not supported; "
                           "use SequentialMLP or TEGroupedMLP (moe_grouped_gemm with Transformer Engine)")
     ffn, hidden = dims.moe_ffn, dims.hidden
+    gate, up, down = dims.names.expert_projections
     slots = []
     for j in range(local):
-        expert = f"{prefix}mlp.experts.{first + j}."
+        expert = f"{prefix}{dims.names.moe_block}.experts.{first + j}."
         if rest.endswith("weight1"):
-            for i, name in enumerate(("gate_proj", "up_proj")):
+            for i, name in enumerate((gate, up)):
                 piece = Piece((slice(None), slice(i * ffn, (i + 1) * ffn)), reshape=(local, hidden, 2 * ffn), at=j,
                               transpose=True)
                 slots.append(Slot(f"{expert}{name}.weight", (ffn, hidden), 0, 0, ffn, (piece,), None, "linear"))
         else:
             piece = Piece((slice(None),), reshape=(local, ffn, hidden), at=j, transpose=True)
-            slots.append(Slot(f"{expert}down_proj.weight", (hidden, ffn), 0, 0, hidden, (piece,), None, "linear"))
+            slots.append(Slot(f"{expert}{down}.weight", (hidden, ffn), 0, 0, hidden, (piece,), None, "linear"))
     return slots
 
 
@@ -284,7 +316,7 @@ def _local_shape(slot: Slot, dims: MegatronDims, place: RankPlace, name: str) ->
         return (dims.padded_vocab // place.tp_size, dims.hidden)
     if slot.pieces[0].reshape is not None:
         return None
-    if slot.target.endswith(("gate_proj.weight", "up_proj.weight")):
+    if ".linear_fc1.weight" in name:  # gate rows, then up rows (`linear_fc1.weight{j}` for a TEGroupedMLP expert)
         return (2 * (slot.stop - slot.start), slot.shape[1])
     if slot.dim == 1:
         return (slot.shape[0], slot.stop - slot.start)
