@@ -65,8 +65,8 @@ class TrainerRank(RankProcess):
             model = AutoModelForCausalLM.from_pretrained(model_dir)
         model = model.to(torch.float32)
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mixed)
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=mixed)
         fully_shard(model, mesh=mesh, mp_policy=mixed)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -105,6 +105,14 @@ class TrainerRank(RankProcess):
         if self.rank == 0:
             state = {name: value.to(torch.bfloat16) if value.is_floating_point() else value for name, value in state.items()}
             self.model.save_pretrained(directory, state_dict=state)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one: the blocks transformers says must not be split (`_no_split_modules`, the
+    decoder layers; `model.layers`, `gpt_neox.layers` or `transformer.h` depending on the family), as its own FSDP
+    wrapping policy picks them."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in blocks]
 
 
 class TrainerGroup:

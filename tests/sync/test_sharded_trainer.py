@@ -224,3 +224,25 @@ def test_moe_group_sends_each_expert_from_the_rank_that_holds_it(actors_factory,
     assert refit.sync(group, replica, refit.SyncConfig(transport="ray", delta="off")).replicas[0].mode == "full"
     by_full = serve(replica)
     assert (by_delta.token_ids, by_delta.logprobs) == (by_full.token_ids, by_full.logprobs)
+
+
+def test_a_family_whose_layers_lie_elsewhere_is_sharded_by_its_blocks_and_syncs_like_one_process(actors_factory, tmp_path):
+    """GPT-NeoX keeps its layers at `gpt_neox.layers`, not `model.layers` (regression: the group could not start); its
+    head is `embed_out` and its attention one fused `query_key_value`. The group's sync leaves the replica exactly as a
+    single-process trainer's sync of the same checkpoint does."""
+    from transformers import GPTNeoXConfig
+
+    from tests.support.actors import engine_state
+    from tests.support.checkpoints import write_random, write_variant
+
+    config = GPTNeoXConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=256, architectures=["GPTNeoXForCausalLM"])
+    bf16, fp8 = write_random(config, tmp_path / "neox", seed=13, like=model_dir(False, "fp8_block"), ignore=["re:.*embed_out$"])
+    other, _ = write_variant(bf16, tmp_path / "other", seed=14)
+    replica = actors_factory.rollout(fp8, node=2, **FP8_DUMMY)
+    refit.sync(actors_factory.trainer(bf16), replica)
+    expected = run_in(replica, engine_state)
+    refit.sync(actors_factory.trainer(other), replica)  # every weight away from the checkpoint's
+    assert run_in(replica, engine_state) != expected
+    report = refit.sync(actors_factory.trainer_group(bf16), replica)
+    assert report.replicas[0].mode == "full" and run_in(replica, engine_state) == expected
