@@ -270,7 +270,12 @@ def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutM
     for t in planned:
         weight = expected.get(t.target)
         if weight is None:
-            if not (t.target == TIED_HEAD and rollout_model.tie_word_embeddings) and not may_stream(t.target):
+            tied_head = t.target == TIED_HEAD and rollout_model.tie_word_embeddings
+            if tied_head and t.source == TIED_HEAD:
+                problems.append(f"{t.target}: a tensor of the trainer's own (its model does not tie it), but {model}'s "
+                                "model ties its output head to its input embeddings (tie_word_embeddings): it would serve "
+                                "the embedding as its head, not the trainer's head")
+            elif not tied_head and not may_stream(t.target):
                 problems.append(f"{t.target}: the rollout's model has no such weight (renamed, or extra in the trainer?)")
         elif weight.shape != t.shape:
             problems.append(f"{t.target}: shape {t.shape} from the trainer, {weight.shape} in the rollout's model")

@@ -148,6 +148,17 @@ def test_every_mismatch_with_the_rollouts_weights_is_reported_together_before_an
     assert "model.layers.1.mlp.down_proj.weight: shape (256, 384) from the trainer, (256, 512) in the rollout's model" in message
 
 
+def test_an_untied_head_is_refused_by_a_rollout_that_ties_its_head_to_its_embeddings():
+    """Regression: the plan sent the trainer's own lm_head to a rollout whose head is its embedding, and the sync
+    passed; the rollout could not serve the trainer's model. The reverse (a tied trainer, an untied rollout) is
+    fine: the rollout's head gets the embedding's values, which is what the trainer's head is."""
+    with pytest.raises(PlanMismatchError, match=r"lm_head\.weight: a tensor of the trainer's own .* the rollout's model "
+                                                r"ties its output head to its input embeddings"):
+        make_plan(describe_weights(trainer_model(tied=False)), checked(True, from_files=True), config(1 << 20))
+    plan = make_plan(describe_weights(trainer_model(tied=True)), checked(False, from_files=True), config(1 << 20))
+    assert dict(plan.copies)["lm_head.weight"] == "model.embed_tokens.weight"
+
+
 def test_the_check_can_be_turned_off_for_names_vllm_maps_itself():
     metas = [m for m in describe_weights(trainer_model(tied=False)) if m.name != "model.norm.weight"]
     with pytest.raises(PlanMismatchError, match="check_against_rollout=False"):
