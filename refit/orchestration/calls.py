@@ -9,8 +9,10 @@ naming who failed, and so that the same flow runs on plain Python objects
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "loss",
     "raise_first_error",
     "submit_all",
+    "submitting_together",
     "summary",
     "wait_all",
     "wait_until_started",
@@ -93,12 +96,31 @@ def loss(outcome: Outcome) -> str | None:
     return None
 
 
+_SUBMITTING = threading.RLock()
+
+
+@contextmanager
+def submitting_together() -> Iterator[None]:
+    """Hold while submitting one call to each of several actors whose calls wait for one another (a sharded trainer's
+    ranks: their streams gather rows from each other, their group joins meet).
+
+    Why: Ray runs one caller's calls to an actor in the order it submitted them. Two syncs of this process (two
+    Syncers on one trainer, in two threads) that each submit such a set whole, one set before the other, have every
+    rank run them in the same order. Interleaved, rank 0 could start sync A's stream and rank 1 sync B's, each then
+    waiting in a gather for the other until the deadline, which also breaks the trainer's process group.
+    """
+    with _SUBMITTING:
+        yield
+
+
 def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> list[tuple[str, Any]]:
-    """Start `method(*args)` on every `(name, target)`; plain objects run it now."""
-    return [
-        (who, getattr(target, method).remote(*args) if is_actor(target) else _call_inline(who, target, method, args))
-        for who, target in targets
-    ]
+    """Start `method(*args)` on every `(name, target)`, all of them before another thread's set (`submitting_together`);
+    plain objects run it now."""
+    with submitting_together():
+        return [
+            (who, getattr(target, method).remote(*args) if is_actor(target) else _call_inline(who, target, method, args))
+            for who, target in targets
+        ]
 
 
 def wait_all(

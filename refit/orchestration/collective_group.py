@@ -20,7 +20,16 @@ import logging
 from typing import Any
 
 from refit.errors import GroupBroken
-from refit.orchestration.calls import Outcome, call_all, dead_members, raise_first_error, submit_all, summary, wait_all
+from refit.orchestration.calls import (
+    Outcome,
+    call_all,
+    dead_members,
+    raise_first_error,
+    submit_all,
+    submitting_together,
+    summary,
+    wait_all,
+)
 from refit.orchestration.fleet import Lost, Roll, broken_group, losses
 from refit.plan.config import SyncConfig
 from refit.transport.collective import JOIN_MARGIN_S, Rendezvous, RendezvousHost
@@ -73,10 +82,11 @@ class CollectiveGroupLifecycle:
         rendezvous = self._host.rendezvous
         offsets = [len(senders) + sum(ranks[:i]) for i in range(len(ranks))]
         pending = []
-        for member, source in enumerate(self.sources):
-            pending += submit_all([source], "join_transport", rendezvous, member)
-        for replica, offset in zip(members, offsets):
-            pending += submit_all([replica], "join_transport", rendezvous, offset, sync_id)
+        with submitting_together():  # each join waits for the others: one order on every rank (a rival sync's group)
+            for member, source in enumerate(self.sources):
+                pending += submit_all([source], "join_transport", rendezvous, member)
+            for replica, offset in zip(members, offsets):
+                pending += submit_all([replica], "join_transport", rendezvous, offset, sync_id)
         # Members give up on a missing one at the deadline and name it: wait longer for that answer, relayed or not
         # (JOIN_MARGIN_S), unless a member is gone: then the others are told at once (`abandon`), not left to wait it out.
         try:

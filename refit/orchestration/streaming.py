@@ -20,7 +20,7 @@ import collections
 from typing import Any
 
 from refit.errors import PlanMismatchError
-from refit.orchestration.calls import BucketStream, submit_all, wait_all
+from refit.orchestration.calls import BucketStream, submit_all, submitting_together, wait_all
 from refit.orchestration.fleet import Roll, broken_group, losses
 from refit.orchestration.progress import progress_bar
 from refit.plan.config import SyncConfig
@@ -59,8 +59,9 @@ class BucketRelay:
         during that round rather than after it. `close` stops them.
         """
         self.transport, self.delta = transport, delta
-        self.streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who, delta=delta)
-                        for who, source in self.sources]
+        with submitting_together():  # the ranks' streams gather from each other: every rank runs them in one order
+            self.streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who,
+                                         delta=delta) for who, source in self.sources]
 
     def close(self) -> None:
         """Stop every stream still running (a failed sync's, or one that was never run); idempotent."""

@@ -18,7 +18,7 @@ import refit
 from actors import TrainerGroup, TrainerRank
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
 from refit.engine import Phase
-from tests.support.actors import run_in
+from tests.support.actors import engine_state, run_in
 from tests.support.faults import die_at
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=41)
@@ -108,6 +108,34 @@ def test_a_rank_that_dies_mid_sync_is_named_whichever_symptom_arrives_first(repl
         status = ray.get(replica.status.remote(), timeout=30)
         assert status.phase in (Phase.SERVING, Phase.REFUSING), status  # whole, or refusing: never half-served
         assert f"rollout {i}:" in notes
+
+
+def test_two_syncers_on_one_group_syncing_at_once_both_complete(replicas, actors_factory):
+    """Two Syncers of one driver on one FSDP2 group, each with its own replica, in two threads (regression: the ranks
+    could start the two syncs' streams in different orders, each then waiting for the other in a gather, until the
+    deadline broke the group's process group for good). Each set of rank calls is submitted whole: both complete."""
+    import threading
+
+    group = actors_factory.trainer_group(model_dir(True, "bf16"))
+    config = refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=60)  # many buckets, each of them gathering k and v
+    syncers = [refit.Syncer(group, [replica], config) for replica in replicas]
+
+    def run(index: int, results: dict[int, object]) -> None:
+        try:
+            results[index] = syncers[index].sync()
+        except Exception as error:  # noqa: BLE001 (reported below)
+            results[index] = error
+
+    for _ in range(3):
+        results: dict[int, object] = {}
+        threads = [threading.Thread(target=run, args=(i, results)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert all(isinstance(results.get(i), refit.SyncReport) for i in range(2)), results
+    states = [run_in(replica, engine_state) for replica in replicas]
+    assert states[0] == states[1]
 
 
 def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster, tmp_path):
@@ -232,7 +260,6 @@ def test_a_family_whose_layers_lie_elsewhere_is_sharded_by_its_blocks_and_syncs_
     single-process trainer's sync of the same checkpoint does."""
     from transformers import GPTNeoXConfig
 
-    from tests.support.actors import engine_state
     from tests.support.checkpoints import write_random, write_variant
 
     config = GPTNeoXConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
