@@ -114,13 +114,12 @@ def submitting_together() -> Iterator[None]:
 
 
 def submit_all(targets: Sequence[tuple[str, Any]], method: str, *args: Any) -> list[tuple[str, Any]]:
-    """Start `method(*args)` on every `(name, target)`, all of them before another thread's set (`submitting_together`);
-    plain objects run it now."""
+    """Start `method(*args)` on every `(name, target)`: on actors all at once, before another thread's set
+    (`submitting_together`); plain objects run it now, outside the lock (they have no queue to order)."""
     with submitting_together():
-        return [
-            (who, getattr(target, method).remote(*args) if is_actor(target) else _call_inline(who, target, method, args))
-            for who, target in targets
-        ]
+        started = {i: getattr(target, method).remote(*args) for i, (_, target) in enumerate(targets) if is_actor(target)}
+    return [(who, started[i] if i in started else _call_inline(who, target, method, args))
+            for i, (who, target) in enumerate(targets)]
 
 
 def wait_all(

@@ -123,34 +123,42 @@ def test_the_trainer_starts_streaming_once_the_first_claim_is_won_and_before_the
     assert events == [first]  # refused at the first claim: no stream, no other begin
 
 
-def test_calls_that_wait_for_each_other_are_submitted_as_one_set_per_thread():
+def test_calls_that_wait_for_each_other_are_submitted_as_one_set_per_thread(monkeypatch):
     """Two syncs of one process on one sharded trainer: each submits its set of calls to the ranks whole (Ray then runs
     them in that order on every rank), never one call between another thread's; interleaved, the ranks' streams would
-    each wait for the other's in a gather."""
+    each wait for the other's in a gather. The handles here stand in for Ray's: `.remote` submits."""
     import threading
     import time
 
-    from refit.orchestration.calls import submit_all
+    from refit.orchestration import calls
 
-    order: list[tuple[str, str]] = []
+    submitted: list[tuple[str, str]] = []
 
-    class Rank:
-        def __init__(self, name: str) -> None:
-            self.name = name
+    class Handle:
+        def __init__(self, rank: str) -> None:
+            self.rank = rank
 
-        def stream(self, sync: str) -> None:
-            order.append((sync, self.name))
-            time.sleep(0.05 if self.name == "rank 0" else 0)  # room for the other thread to slip a call in
+        def __getattr__(self, method: str):
+            rank = self.rank
 
-    ranks = [(f"rank {r}", Rank(f"rank {r}")) for r in range(2)]
-    threads = [threading.Thread(target=submit_all, args=(ranks, "stream", sync)) for sync in ("A", "B")]
+            class Method:
+                @staticmethod
+                def remote(sync: str) -> None:
+                    submitted.append((sync, rank))
+                    time.sleep(0.05 if rank == "rank 0" else 0)  # room for the other thread to slip a call in
+
+            return Method
+
+    monkeypatch.setattr(calls, "is_actor", lambda target: isinstance(target, Handle))
+    ranks = [(f"rank {r}", Handle(f"rank {r}")) for r in range(2)]
+    threads = [threading.Thread(target=calls.submit_all, args=(ranks, "stream_buckets", sync)) for sync in ("A", "B")]
     for thread in threads:
         thread.start()
         time.sleep(0.01)
     for thread in threads:
         thread.join()
-    assert order in ([("A", "rank 0"), ("A", "rank 1"), ("B", "rank 0"), ("B", "rank 1")],
-                     [("B", "rank 0"), ("B", "rank 1"), ("A", "rank 0"), ("A", "rank 1")])
+    assert submitted in ([("A", "rank 0"), ("A", "rank 1"), ("B", "rank 0"), ("B", "rank 1")],
+                         [("B", "rank 0"), ("B", "rank 1"), ("A", "rank 0"), ("A", "rank 1")])
 
 
 def test_objects_without_the_protocol_methods_are_refused_by_name():
