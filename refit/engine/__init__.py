@@ -16,6 +16,8 @@
 - `layerwise`: vLLM's layerwise reload of one model, with tied aliases and a drafter's shared modules kept out.
 - `readback`: the engine's FP8 weight scales read back against what the sync sent.
 - `cpu_kernel`, `cpu_moe`: FP8_BLOCK reference linear kernel and MoE backend for CPUs without AMX (general plugins).
+- `cpu_kv_cache`: a reference FP8 KV-cache attention for x86 CPUs without AVX-512 (a general plugin).
+- `cpu_amx`: asks Linux for AMX in every engine process, which vLLM's AMX attention needs (a general plugin).
 - `compat`: the vLLM release all of the above was written against.
 - `vllm_logs`: the vLLM warnings every healthy start and sync logs, kept from the driver; imports no vLLM.
 

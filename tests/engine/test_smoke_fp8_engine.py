@@ -13,6 +13,7 @@ logs meanwhile is kept for the start-up log check.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 
@@ -23,8 +24,10 @@ from vllm.distributed import cleanup_dist_env_and_memory
 
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import EngineConfig
+from refit.engine.config import REFERENCE_KERNEL_ENV
 from refit.engine.cpu_kernel import RefitCpuFp8BlockKernel
 from refit.engine.llm import start_llm
+from tests.support.scripts import run_python
 
 pytestmark = pytest.mark.engine  # starts or imports vLLM
 
@@ -98,3 +101,30 @@ def test_greedy_generation_solves_the_counting_task(llm: LLM) -> None:
     outputs = [list(r.outputs[0].token_ids) for r in results]
     assert all(len(out) == NEW_TOKENS for out in outputs)
     assert accuracy(prompts, outputs) >= 0.9
+
+
+# A fresh engine in a process of its own, with what a user's environment has: no REFIT_CPU_REFERENCE_KERNEL.
+USERS_ENGINE = f"""
+import json, os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import SamplingParams
+from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from refit import EngineConfig
+from refit.engine.llm import start_llm
+llm = start_llm(EngineConfig(model=str(model_dir(tied=True, variant="fp8_block")), max_model_len=128,
+                             kv_cache_dtype="fp8_e4m3", kv_cache_bytes=64 << 20))
+greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+prompts = make_prompts({N_PROMPTS}, PROMPT_LEN, seed=1234)
+llm.generate([{{"prompt_token_ids": prompts[0][:3]}}], greedy, use_tqdm=False)  # first, a batch of three tokens
+results = llm.generate([{{"prompt_token_ids": p}} for p in prompts], greedy, use_tqdm=False)
+print(json.dumps(accuracy(prompts, [list(r.outputs[0].token_ids) for r in results])))
+"""
+
+
+def test_an_engine_on_vllms_own_cpu_kernels_serves_from_its_first_request() -> None:
+    """What a user's engine runs (the suite's reference kernels not put first): on a CPU with AMX, vLLM's own FP8
+    kernels and its AMX attention, whose first call killed the process (SIGILL) until refit asked Linux for AMX
+    (refit/engine/cpu_amx.py), unless a batch large enough for oneDNN to run (and ask) came first; elsewhere the
+    same engine on refit's reference kernels."""
+    out = run_python(["-c", USERS_ENGINE], timeout=900, without=(REFERENCE_KERNEL_ENV,))
+    assert json.loads(out.strip().splitlines()[-1]) >= 0.9, out
