@@ -9,14 +9,23 @@ default maps shared memory (`shm`) and sends whole buckets; over `ray`
 of a real update. At this size the bytes are nothing; what is left is the
 remote rounds between driver, trainer and replicas, Ray's streaming
 generator, and vLLM's layerwise reload. Prints the medians of the total and
-of each stage (issue 49's target: at most 25 ms). Run with
+of each stage (issue 49's target: at most 25 ms).
+
+Then what a large model's plan costs a sync, per member it crosses to: the
+plan of an MoE of 48 layers of 128 experts (18.8k tensors, from metadata
+alone: no model is made), pickled and unpickled as Ray does with a call's
+arguments, the first time (the text made, then decoded) and each time after
+(`TransferPlan.to_plain`). Run with
 `.venv/bin/python -m benchmarks.bench_latency`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pickle
 import statistics
+import time
 
 import ray
 
@@ -25,6 +34,9 @@ from actors import RolloutActor, TrainerActor
 from benchmarks import _docs_table
 from benchmarks.bench_alternatives import cluster
 from fixtures import make_sequences, model_dir
+from refit.plan import RolloutModelInfo, TensorMeta, make_plan
+from refit.plan.transfer_plan import TransferPlan
+from refit.transport.integrity import new_sync_key
 
 TARGET_S = 0.025
 
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for actor in (trainer, *rollouts):
                 ray.kill(actor)
-    printed = table(reports)
+    printed = table(reports) + "\n" + plan_crossing()
     print(printed)
     if args.write_docs:
         _docs_table.write_block("bench_latency", printed, argv=argv)
@@ -74,6 +86,46 @@ def table(reports: list[refit.SyncReport]) -> str:
              f"  report and the rest  {median_ms([rest(r) for r in reports])}",
              f"  bytes received       {statistics.median(max(x.bytes_received for x in r.replicas) for r in reports) / 2**10:7.1f} KiB"]
     return "\n".join(lines)
+
+
+def moe_plan(bucket_bytes: int, layers: int = 48, experts: int = 128, hidden: int = 2048, expert_hidden: int = 768) -> TransferPlan:
+    """The plan of a Qwen3-MoE-shaped model (FP8_BLOCK rollout, untied), from metadata alone."""
+    linear, norm = ("Linear", "Module"), ("RMSNorm", "Module")
+    metas = [TensorMeta("model.embed_tokens.weight", (151936, hidden), "bfloat16", ("Embedding", "Module"))]
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        metas += [TensorMeta(prefix + name, shape, "bfloat16", classes) for name, shape, classes in (
+            ("self_attn.q_proj.weight", (4096, hidden), linear), ("self_attn.k_proj.weight", (512, hidden), linear),
+            ("self_attn.v_proj.weight", (512, hidden), linear), ("self_attn.o_proj.weight", (hidden, 4096), linear),
+            ("input_layernorm.weight", (hidden,), norm), ("post_attention_layernorm.weight", (hidden,), norm),
+            ("mlp.gate.weight", (experts, hidden), linear))]
+        metas += [TensorMeta(f"{prefix}mlp.experts.{e}.{name}.weight", shape, "bfloat16", linear)
+                  for e in range(experts) for name, shape in (("gate_proj", (expert_hidden, hidden)),
+                                                              ("up_proj", (expert_hidden, hidden)),
+                                                              ("down_proj", (hidden, expert_hidden)))]
+    metas += [TensorMeta("model.norm.weight", (hidden,), "bfloat16", norm),
+              TensorMeta("lm_head.weight", (151936, hidden), "bfloat16", linear)]
+    quantization = json.loads((model_dir(False, "fp8_block") / "config.json").read_text())["quantization_config"]
+    return make_plan(metas, RolloutModelInfo(quantization, False), refit.SyncConfig(bucket_bytes=bucket_bytes))
+
+
+def plan_crossing(repeats: int = 5) -> str:
+    """Seconds to pickle and unpickle one sync's plan of `moe_plan`: the first time in a process, and after."""
+    def crossing(plan: TransferPlan) -> float:
+        start = time.perf_counter()
+        pickle.loads(pickle.dumps(plan))
+        return time.perf_counter() - start
+
+    firsts, laters = [], []
+    for attempt in range(repeats):
+        plan = moe_plan((64 << 20) + attempt)  # a plan of its own each time: its text is made, then decoded, anew
+        firsts.append(crossing(plan.for_sync(new_sync_key())))
+        laters.append(statistics.median(crossing(plan.for_sync(new_sync_key())) for _ in range(repeats)))
+    size = len(pickle.dumps(plan.for_sync(new_sync_key())))
+    return (f"the plan of a 48-layer, 128-expert MoE ({len(plan.tensors)} tensors, {size / 2**20:.1f} MiB pickled), "
+            f"pickled and unpickled once per member of each sync; medians of {repeats}:\n"
+            f"  first sync           {statistics.median(firsts) * 1e3:7.1f} ms\n"
+            f"  each sync after      {statistics.median(laters) * 1e3:7.1f} ms")
 
 
 if __name__ == "__main__":

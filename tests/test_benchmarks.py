@@ -140,6 +140,7 @@ def test_the_latency_benchmark_syncs_the_fixture_to_two_replicas_and_prints_each
     out = run_python(["-m", "benchmarks.bench_latency", "--syncs", "2"], ray_address=ray_cluster.address)
     # The default on one host: shared memory, whole buckets (deltas are for a wire: `--transport ray`).
     assert re.search(r"tiny Qwen3 fixture, 1\.63 MiB full, to 2 replicas, 2 syncs \(shm, full\); medians:", out), out
-    for stage in ("total", "begin", "stream", "finish", "report and the rest"):
+    for stage in ("total", "begin", "stream", "finish", "report and the rest", "first sync", "each sync after"):
         assert re.search(rf"^  {stage} +[\d.]+ ms", out, re.MULTILINE), out
+    assert "18771 tensors" in out, out
     assert _docs_table.PAGE.read_text() == committed

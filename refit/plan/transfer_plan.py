@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -122,6 +124,24 @@ class PlannedTensor:
         return self.quantized_bytes if quantize_on is QuantizeOn.TRAINER else self.source_bytes
 
 
+class _PlanText:
+    """A plan's buckets and copies as JSON text, or None until first asked for (`TransferPlan.to_plain`)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str | None = None) -> None:
+        self.text = text
+
+    def of(self, plan: TransferPlan) -> str:
+        if self.text is None:  # two threads may both encode: the same text, either kept
+            plain = {"quantize_on": str(plan.quantize_on),
+                     "buckets": [[[t.target, t.source, list(t.shape), t.dtype, None if t.block is None else list(t.block)]
+                                  for t in bucket] for bucket in plan.buckets],
+                     "copies": [list(pair) for pair in plan.copies]}
+            self.text = json.dumps(plain, separators=(",", ":"))
+        return self.text
+
+
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
     buckets: tuple[tuple[PlannedTensor, ...], ...]
@@ -137,35 +157,38 @@ class TransferPlan:
     tie, but its bytes are its source's: sending them twice cost a tied model's every sync (and delta) a
     second copy of its embedding, the largest bf16 tensor on the wire."""
 
+    _text: _PlanText = field(default_factory=_PlanText, repr=False, compare=False)
+    """The buckets and copies as JSON text, made on first use and shared by every `for_sync` copy (`to_plain`)."""
+
     def for_sync(self, integrity_key: bytes | None) -> TransferPlan:
         """This plan for one sync: the same buckets, that sync's integrity key."""
         return replace(self, integrity_key=integrity_key)
 
     def to_plain(self) -> dict[str, Any]:
-        """JSON-able data (vLLM's RPC and a server's HTTP carry no refit classes, and nothing is pickled)."""
-        return {
-            "quantize_on": str(self.quantize_on),
-            "buckets": [[[t.target, t.source, list(t.shape), t.dtype, None if t.block is None else list(t.block)]
-                         for t in bucket] for bucket in self.buckets],
-            "integrity_key": None if self.integrity_key is None else self.integrity_key.hex(),
-            "copies": [list(pair) for pair in self.copies],
-        }
+        """JSON-able data (vLLM's RPC and a server's HTTP carry no refit classes, and nothing is pickled): the plan
+        as JSON text and the sync's key.
+
+        Why text, kept: every sync hands the plan to every replica and every trainer rank, and a worker of each
+        replica, and a plan names every tensor (tens of thousands in an MoE model), so encoding it anew, and
+        decoding it again on each side, would cost each sync that much work per member. The text is made once per
+        plan and shared by its `for_sync` copies; a receiver decodes each text it has not seen yet once
+        (`from_plain`). Pickling (over Ray) sends the same text.
+        """
+        return {"plan": self._text.of(self), "integrity_key": None if self.integrity_key is None else self.integrity_key.hex()}
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> TransferPlan:
         """The plan `to_plain` described; refuses data of any other shape, naming what is wrong."""
         try:
-            buckets = tuple(
-                tuple(PlannedTensor(str(target), str(source), tuple(int(n) for n in shape), str(dtype),
-                                    None if block is None else (int(block[0]), int(block[1])))
-                      for target, source, shape, dtype, block in bucket)
-                for bucket in plain["buckets"]
-            )
-            key = plain["integrity_key"]
-            copies = tuple((str(target), str(of)) for target, of in plain["copies"])
-            return cls(buckets, QuantizeOn(plain["quantize_on"]), None if key is None else bytes.fromhex(key), copies)
+            text, key = plain["plan"], plain["integrity_key"]
+            if not isinstance(text, str) or not (key is None or isinstance(key, str)):
+                raise TypeError(f"a str plan and a str or null key, not {type(text).__name__} and {type(key).__name__}")
+            return _decoded(text).for_sync(None if key is None else bytes.fromhex(key))
         except (KeyError, TypeError, ValueError) as error:
             raise PlanMismatchError(f"not a transfer plan ({type(error).__name__}: {error}); the sender is not refit's") from None
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        return _plan_from_plain, (self.to_plain(),)
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -188,6 +211,49 @@ class TransferPlan:
     def wire_bytes(self) -> int:
         """Bytes each replica fetches per sync."""
         return sum(t.wire_bytes(self.quantize_on) for t in self.tensors)
+
+
+_DECODED: OrderedDict[str, TransferPlan] = OrderedDict()  # text -> its plan (no key), the last few decoded here
+_DECODED_KEPT = 4  # a process serves one Syncer's plan, or a few (a trainer shared by several fleets)
+_DECODED_LOCK = threading.Lock()
+
+
+def _decoded(text: str) -> TransferPlan:
+    """The plan (without a key) that `text` encodes, decoded once per process while it stays among the last few;
+    a hit is the same text, compared whole."""
+    with _DECODED_LOCK:
+        plan = _DECODED.get(text)
+        if plan is not None:
+            _DECODED.move_to_end(text)
+            return plan
+    plain = json.loads(text)
+    buckets = tuple(tuple(_planned_tensor(row) for row in bucket) for bucket in plain["buckets"])
+    copies = tuple((target, of) for target, of in plain["copies"] if isinstance(target, str) and isinstance(of, str))
+    if len(copies) != len(plain["copies"]):
+        raise TypeError(f"copies {plain['copies']!r} are not [target, of] names")
+    plan = TransferPlan(buckets, QuantizeOn(plain["quantize_on"]), None, copies, _PlanText(text))
+    with _DECODED_LOCK:
+        _DECODED[text] = plan
+        while len(_DECODED) > _DECODED_KEPT:
+            _DECODED.popitem(last=False)
+    return plan
+
+
+def _planned_tensor(row: Any) -> PlannedTensor:
+    target, source, shape, dtype, block = row
+    if not (isinstance(target, str) and isinstance(source, str) and isinstance(dtype, str) and _ints(shape)
+            and (block is None or _ints(block) and len(block) == 2)):
+        raise TypeError(f"{row!r} is not [target, source, [int, ...], dtype, [int, int] or null]")
+    return PlannedTensor(target, source, tuple(shape), dtype, None if block is None else (block[0], block[1]))
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(type(n) is int for n in value)
+
+
+def _plan_from_plain(plain: Mapping[str, Any]) -> TransferPlan:
+    """Unpickling a plan (a module's function: pickled by name)."""
+    return TransferPlan.from_plain(plain)
 
 
 def layer_key(name: str) -> str:

@@ -7,6 +7,7 @@ by real transformers models, so names and module classes are the real ones.
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from fixtures import model_dir
 from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, loadable_tensors, make_plan, produce_buckets
-from refit.plan.transfer_plan import bucket_bound
+from refit.plan.transfer_plan import TransferPlan, bucket_bound
 from refit.quantizer import quantize_fp8_block
 from refit.quantizer.fp8_block import loadable_form
 from refit.transport.buckets import pack_bucket
@@ -65,6 +66,30 @@ def test_tied_engine_and_a_state_dict_without_lm_head_gets_the_alias():
     metas = [m for m in describe_weights(trainer_model(tied=True)) if m.name != "lm_head.weight"]
     plan = make_plan(metas, rollout_model(True, True), config(1 << 20))
     assert dict(plan.copies)["lm_head.weight"] == "model.embed_tokens.weight"
+
+
+def test_a_plan_is_encoded_once_and_each_process_decodes_it_once_whatever_the_sync():
+    """Every sync hands the plan to every member; the text is the plan's, made once, and a receiver's decoding of a
+    text it has seen is its earlier plan with the new sync's key."""
+    plan = make_plan(describe_weights(trainer_model(tied=True)), rollout_model(True, True), config(200_000))
+    first, second = plan.for_sync(new_sync_key()), plan.for_sync(new_sync_key())
+    assert first.to_plain()["plan"] is second.to_plain()["plan"]
+    arrived = [pickle.loads(pickle.dumps(sent)) for sent in (first, second)]  # as over Ray
+    assert arrived == [first, second] and [p.integrity_key for p in arrived] == [first.integrity_key, second.integrity_key]
+    assert arrived[1].buckets is arrived[0].buckets and arrived[1].to_plain()["plan"] is arrived[0].to_plain()["plan"]
+    over_http = TransferPlan.from_plain(json.loads(json.dumps(second.to_plain())))  # as to a server's workers
+    assert over_http == second and over_http.integrity_key == second.integrity_key
+    assert TransferPlan.from_plain(plan.for_sync(None).to_plain()).integrity_key is None
+
+
+def test_data_that_is_not_a_plan_is_refused_as_such():
+    text = make_plan(describe_weights(trainer_model(tied=True)), rollout_model(True, True), config(200_000)).to_plain()["plan"]
+    for bad in ([], {"plan": text}, {"plan": 5, "integrity_key": None}, {"plan": "{", "integrity_key": None},
+                {"plan": json.dumps({"buckets": []}), "integrity_key": None}, {"plan": text, "integrity_key": "not hex"},
+                {"plan": json.dumps({"quantize_on": "trainer", "buckets": [[["w", "w", "3", "bfloat16", None]]], "copies": []}),
+                 "integrity_key": None}):
+        with pytest.raises(PlanMismatchError, match="not a transfer plan"):
+            TransferPlan.from_plain(bad)
 
 
 def test_a_quantized_target_that_is_not_2d_is_refused_at_plan_time():
