@@ -42,7 +42,13 @@ class Membership:
 
     def __init__(self, replicas: Sequence[RolloutReplica], config: SyncConfig) -> None:
         self.config = config
-        self.members = [(replica_name(i), r) for i, r in enumerate(replicas)]
+        self.members: list[tuple[str, Any]] = []
+        for i, replica in enumerate(replicas):
+            if (member := self.find(replica)) is not None:
+                # Both would take part in one sync as two replicas: the second begin_update would find the first's
+                # update open and refuse it as another sync's, a confusing way to fail.
+                raise ConfigError(f"{replica_name(i)} is {member} again (the same actor); pass each replica once")
+            self.members.append((replica_name(i), replica))
         self._next_id = len(self.members)  # ids are never reused: a name in a log or report means one replica
 
     @property
@@ -99,14 +105,18 @@ class Membership:
 
     def find(self, replica: Any) -> str | None:
         """The member name of `replica`: the same object, or a handle of the same actor (Ray handles compare by actor)."""
-        return next((who for who, handle in self.members
-                     if handle is replica or (is_actor(handle) and is_actor(replica) and handle == replica)), None)
+        return next((who for who, handle in self.members if _same_actor(handle, replica)), None)
+
+
+def _same_actor(one: Any, other: Any) -> bool:
+    """The same object, or two Ray handles of one actor (they compare by actor id)."""
+    return one is other or (is_actor(one) and is_actor(other) and one == other)
 
 
 def checked_sources(trainer: Any, fleet: Membership) -> list[tuple[str, Any]]:
     """(name, source) of every rank of `trainer` that streams, once the trainer and the fleet are checked: running
     actors, not classes, with every method the protocols and `fleet.config` need (all problems named at once)."""
-    refuse_actor_classes([("trainer", trainer), *fleet.members])
+    refuse_actor_classes([("the trainer", trainer), *fleet.members])
     sources = weight_sources(trainer)
     problems = actor_problems(sources, fleet)
     if problems:
@@ -168,7 +178,8 @@ def _class_name(cls: Any) -> str:
 
 
 def refuse_actor_classes(members: list[tuple[str, Any]]) -> None:
-    """A class where an actor is expected (`TrainerActor` for `TrainerActor.remote(...)`) fails far from here: name it."""
+    """A class where an actor is expected (`TrainerActor` for `TrainerActor.remote(...)`), or a plain value (None, a
+    name), fails far from here: name it."""
     try:
         from ray.actor import ActorClass
     except ImportError:  # a single-process setup without Ray
@@ -176,5 +187,8 @@ def refuse_actor_classes(members: list[tuple[str, Any]]) -> None:
     classes = [(who, m) for who, m in members if isinstance(m, (ActorClass, type))]
     problems = [f"{who} is the class {_class_name(m)}, not an actor: pass the handle {_class_name(m)}.remote(...) returns"
                 for who, m in classes]
+    # A value rather than an actor (a name, an id, None) would be listed as lacking every method: say what it is.
+    problems += [f"{who} is {m!r} ({type(m).__name__}), not an actor" for who, m in members
+                 if m is None or isinstance(m, (str, bytes, int, float))]
     if problems:
         raise ConfigError("refit syncs running actors:\n  " + "\n  ".join(problems))

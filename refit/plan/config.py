@@ -235,5 +235,7 @@ def coerce_enum(enum: type[StrEnum], value: Any, setting: str) -> Any:
 
 def _check_positive_int(problems: list[str], name: str, value: Any) -> None:
     # bool is an int to Python, and "64MB" or 1.5 would fail far from here.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int):
         problems.append(f"{name}={value!r}: expected a positive int, got {type(value).__name__}")
+    elif value <= 0:
+        problems.append(f"{name}={value!r}: expected a positive int")

@@ -63,6 +63,20 @@ def test_joining_and_leaving_are_checked():
     assert syncer.replica_names == ["rollout 0", "rollout 1"]  # the refused one never joined (and its id is free)
 
 
+def test_a_replica_passed_twice_or_a_value_where_an_actor_belongs_is_refused_by_name():
+    trainer, replicas = setup(2)
+    with pytest.raises(ConfigError, match=r"rollout 2 is rollout 0 again \(the same actor\); pass each replica once"):
+        Syncer(trainer, [replicas[0], replicas[1], replicas[0]], CONFIG)
+    with pytest.raises(ConfigError, match=r"rollout 0 is None \(NoneType\), not an actor"):
+        Syncer(trainer, None, CONFIG)
+    with pytest.raises(ConfigError, match=r"rollout 1 is 'rollout 1' \(str\), not an actor"):
+        Syncer(trainer, [replicas[0], "rollout 1"], CONFIG)
+    with pytest.raises(ConfigError, match=r"the trainer is None \(NoneType\), not an actor"):
+        Syncer(None, replicas, CONFIG)
+    with pytest.raises(ConfigError, match=r"rollout 2 is 3 \(int\), not an actor"):
+        Syncer(trainer, replicas, CONFIG).add_replica(3)
+
+
 def test_the_fleet_changes_only_between_syncs():
     trainer, replicas = setup(2)
     refused: list[BaseException] = []
