@@ -58,10 +58,12 @@ replica's resulting state are attached as notes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -88,6 +90,8 @@ from refit.transport.integrity import new_sync_key
 from refit.verification.probe import ProbeRequest, probe_prompts
 
 __all__ = ["Syncer", "sync"]
+
+_FLEET_CHANGES = ("add_replica", "remove_replica")
 
 log = logging.getLogger("refit.orchestration")
 
@@ -125,7 +129,8 @@ class Syncer:
         self._auto_transport = self.config.transport is Transport.AUTO
         self._picked_for: tuple[str, ...] | None = None
         self._transport_reason = "" if self._auto_transport else "set by SyncConfig.transport"
-        self._syncing = False
+        self._busy = threading.Lock()  # held by the one sync, adapter sync or fleet change running (`_alone`)
+        self._running: str | None = None
         self._plan: TransferPlan | None = None
         self._rollout_model: RolloutModelInfo | None = None
         self._started = False  # every actor has finished its constructor (awaited once)
@@ -154,8 +159,8 @@ class Syncer:
         completes it serves whatever it started with (a dummy-loaded engine
         refuses). Over `collective`, the next sync makes a new group with it.
         """
-        self._refuse_during_sync("add_replica")
-        return self._fleet.add(replica, self._rollout_model if self._plan is not None else None)
+        with self._alone("add_replica"):
+            return self._fleet.add(replica, self._rollout_model if self._plan is not None else None)
 
     def remove_replica(self, replica: RolloutReplica | int | str) -> str:
         """Remove a replica from the fleet between syncs (by handle, id or name); returns its name.
@@ -164,15 +169,29 @@ class Syncer:
         another Syncer. Over `collective` its workers stay in this Syncer's
         group until they join another; the next sync makes a group without it.
         """
-        self._refuse_during_sync("remove_replica")
-        return self._fleet.remove(replica)
+        with self._alone("remove_replica"):
+            return self._fleet.remove(replica)
 
-    def _refuse_during_sync(self, method: str) -> None:
-        if self._syncing:
-            raise LifecycleError(
-                f"{method}() during a sync: the fleet changes only between syncs; call it after sync() returns "
-                "(a replica lost during a sync is dropped from the fleet by the sync itself)"
-            )
+    @contextlib.contextmanager
+    def _alone(self, method: str) -> Iterator[None]:
+        """Run `method` while nothing else of this Syncer runs, or refuse it at once, naming what runs.
+
+        Why a lock, not a flag: a driver's threads may share a Syncer, and two
+        of them could both find a flag clear and run two syncs over one
+        Syncer's fleet, group and delta bookkeeping. A replica, a fleet or a
+        collective group changes only between syncs, from whichever thread.
+        """
+        if not self._busy.acquire(blocking=False):
+            why = ("the fleet changes only between syncs; call it after that returns (a replica lost during a sync is "
+                   "dropped from the fleet by the sync itself)") if method in _FLEET_CHANGES else \
+                "a Syncer runs one sync at a time; call it after that returns, or use a Syncer per thread"
+            raise LifecycleError(f"{method}() during this Syncer's {self._running}(): {why}")
+        self._running = method
+        try:
+            yield
+        finally:
+            self._running = None
+            self._busy.release()
 
     @property
     def transport(self) -> str | None:
@@ -232,9 +251,7 @@ class Syncer:
         (refit/orchestration/adapter_sync.py). The base weights are not touched; requests running finish on the old
         adapter. Replicas lost on the way are dropped as in `sync`; any other failure leaves every replica serving
         the adapter it served (docs/lora.md)."""
-        self._refuse_during_sync("sync_adapter")
-        self._syncing = True
-        try:
+        with self._alone("sync_adapter"):
             self.wait_until_started()
             if not self._fleet.members:
                 raise ConfigError("the Syncer has no replicas: add_replica() first")
@@ -243,8 +260,6 @@ class Syncer:
             self._fleet.keep(roll.members)
             self._adapter_version = report.version
             return report
-        finally:
-            self._syncing = False
 
     def sync(self) -> SyncReport:
         """Put the trainer's current weights into every replica of the fleet; see the module docstring.
@@ -256,12 +271,8 @@ class Syncer:
         sync fails, every replica's update is aborted and the fleet is left
         as it was.
         """
-        self._refuse_during_sync("sync")
-        self._syncing = True
-        try:
+        with self._alone("sync"):
             return self._sync()
-        finally:
-            self._syncing = False
 
     def _sync(self) -> SyncReport:
         startup_seconds = self.wait_until_started()
@@ -392,7 +403,8 @@ class Syncer:
 
     def close(self) -> None:
         """Release what the Syncer holds between syncs: its collective group, if any."""
-        self._group.disconnect(self._fleet.members)
+        with self._alone("close"):
+            self._group.disconnect(self._fleet.members)
 
     def __enter__(self) -> Syncer:
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -95,6 +96,38 @@ def test_the_fleet_changes_only_between_syncs():
     assert len(syncer.sync().replicas) == 3
     assert [str(e).split("(")[0] for e in refused] == ["remove_replica", "add_replica", "sync"]
     assert "the fleet changes only between syncs" in str(refused[0])
+
+
+def test_a_syncer_shared_by_threads_runs_one_sync_at_a_time_and_refuses_the_rest_at_once():
+    trainer, replicas = setup(2)
+    began, tried = threading.Event(), threading.Event()
+
+    class Holding(FakeReplica):
+        def begin_update(self, plan, sync_id, config):
+            began.set()
+            assert tried.wait(60)
+            return super().begin_update(plan, sync_id, config)
+
+    syncer = Syncer(trainer, [replicas[0], Holding(expected_names(trainer.model))], CONFIG)
+    reports = []
+    thread = threading.Thread(target=lambda: reports.append(syncer.sync()))
+    thread.start()
+    try:
+        assert began.wait(60)
+        refused = []
+        for call in (syncer.sync, syncer.sync_adapter, syncer.close, lambda: syncer.remove_replica(0)):
+            with pytest.raises(LifecycleError) as error:
+                call()
+            refused.append(str(error.value))
+    finally:
+        tried.set()
+        thread.join(60)
+    assert [r.version for r in reports] == [1]
+    assert refused[0] == ("sync() during this Syncer's sync(): a Syncer runs one sync at a time; call it after that "
+                          "returns, or use a Syncer per thread")
+    assert [m.split(" during")[0] for m in refused] == ["sync()", "sync_adapter()", "close()", "remove_replica()"]
+    assert "the fleet changes only between syncs" in refused[3]
+    assert syncer.sync().version == 2 and syncer.replica_names == ["rollout 0", "rollout 1"]  # free again
 
 
 @pytest.mark.parametrize("step", ["begin", "bucket", "finish"])
