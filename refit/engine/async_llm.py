@@ -37,11 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from refit.adapters import AdapterWeights, ServedAdapter
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
+from refit.engine.llm import checked_before_start
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
@@ -80,13 +79,13 @@ class Completion:
 
 
 def start_async_llm(config: EngineConfig) -> Any:
-    """Start the `AsyncLLM` that `config` describes."""
-    config.check_model_directory()
+    """Start the `AsyncLLM` that `config` describes, refusing on a CPU one the node cannot hold."""
+    on_gpu = checked_before_start(config)
     with collector_paused():
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
     freeze_import_heap()
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**config.llm_kwargs(on_gpu=torch.cuda.is_available())))
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**config.llm_kwargs(on_gpu=on_gpu)))
 
 
 def async_llm_replica(llm: Any) -> AsyncReplica:
@@ -272,7 +271,8 @@ class AsyncLLMAdapter:
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process:
             return (f"transport={kind.name!r} hands tensors to vLLM's workers as RPC arguments, which an AsyncLLM's "
-                    "engine core (always in its own process) cannot pass on; use SyncConfig(transport='collective')")
+                    "engine core (always in its own process) cannot pass on; use SyncConfig(transport='collective'), or 'shm' on "
+                    "the trainer's host")
         return None
 
     def call_workers(self, method: str, *args: Any) -> list:

@@ -43,18 +43,12 @@ _CPU_ENGINE_OVERHEAD_BYTES = 1 << 30
 
 def start_llm(config: EngineConfig) -> Any:
     """Start the `vllm.LLM` that `config` describes, refusing on a CPU one the node cannot hold."""
-    config.check_model_directory()
     # The engine core runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING=1
     # says otherwise. Only the `ray` transport cares: it hands tensors to
     # the workers as RPC arguments, which a separate core process cannot
     # pickle on to them ("cannot pickle memoryview objects").
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # EngineConfig is the one place that sizes the KV cache; vLLM's legacy
-    # variable would silently override it.
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        _refuse_if_it_cannot_fit(config)
+    on_gpu = checked_before_start(config)
     with collector_paused():
         from vllm import LLM
     freeze_import_heap()
@@ -96,14 +90,14 @@ class LLMAdapter:
         if config.pause is not Pause.WAIT:
             raise ConfigError(
                 f"pause={str(config.pause)!r}: a vllm.LLM replica serves whole batches and always waits for them; "
-                "an AsyncLLM replica (actors.AsyncRolloutActor) can abort requests in flight"
+                "an AsyncLLM replica (actors.AsyncRolloutActor) or a vllm serve server can abort requests in flight"
             )
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process and not self.engine_core_in_process:
             return (f"transport={kind.name!r} hands tensors to vLLM's workers as RPC arguments, which needs the engine "
                     "core in the rollout's process, but this engine runs it in its own (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
-                    "use SyncConfig(transport='collective')")
+                    "use SyncConfig(transport='collective'), or 'shm' on the trainer's host")
         return None
 
     def call_workers(self, method: str, *args: Any) -> list:
@@ -212,6 +206,19 @@ def _tokenizerless_chat_warmup_unlogged(llm_kwargs: Mapping[str, object]) -> Ite
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def checked_before_start(config: EngineConfig) -> bool:
+    """What every engine refit starts is checked for before vLLM starts it (and aborts, far from the cause): its
+    model directory, and on a CPU whether the node can hold it. Returns whether it runs on a GPU."""
+    config.check_model_directory()
+    # EngineConfig is the one place that sizes the KV cache; vLLM's legacy variable would silently override it
+    # (in this process, and in an engine core process started from it).
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        _refuse_if_it_cannot_fit(config)
+    return on_gpu
 
 
 def _refuse_if_it_cannot_fit(config: EngineConfig) -> None:
