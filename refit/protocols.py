@@ -260,7 +260,7 @@ class RolloutReplica(Protocol):
 
         Through Ray the bucket arrives as a one-element list holding its object
         ref, which the replica fetches itself (see `refit.orchestration.calls.BucketStream`).
-        Over `"collective"` or `"ipc"` it is a `BucketContents`, followed by
+        Over `"collective"`, `"shm"` or `"ipc"` it is a `BucketContents`, followed by
         the next bucket's size (`next_bucket_bytes`), and the replica's
         workers receive the bytes; such replicas also have `join_transport`,
         `leave_transport`, `transport_group` and `transport_ranks`

@@ -46,7 +46,7 @@ class Transport(StrEnum):
 
 
 class Pause(StrEnum):
-    """What an update does to requests in flight (`actors.AsyncRolloutActor`; `RolloutActor` always waits)."""
+    """What an update does to requests in flight (an `AsyncLLM` or `vllm serve` replica; `RolloutActor` always waits)."""
 
     WAIT = "wait"  # let them finish on the old weights, then update
     ABORT = "abort"  # end them now, marked aborted, then update
@@ -122,7 +122,7 @@ class SyncConfig:
 
     pause: Pause = Pause.WAIT
     """`"wait"`: requests in flight finish on the old weights before an update; `"abort"`: they end
-    at once, marked aborted (`actors.AsyncRolloutActor` only)."""
+    at once, marked aborted (an `AsyncLLM` replica, `actors.AsyncRolloutActor`, or a `vllm serve` server's)."""
 
     progress: bool | None = None
     """A progress bar over buckets on stderr; None: only when stderr is a terminal."""
