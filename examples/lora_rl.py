@@ -70,15 +70,15 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
     """The rounds of the module docstring; returns (mean reward, rollout accuracy, trainer accuracy) per round."""
     syncer = refit.Syncer(trainer, rollouts)
     for step in range(warmup_steps):
-        ray.get(trainer.train_step.remote(warmup_sequences(32, seed=step)))
-    ray.get(trainer.set_learning_rate.remote(rl_lr))
+        ray.get(trainer.train_step.remote(warmup_sequences(32, seed=step)), timeout=600)
+    ray.get(trainer.set_learning_rate.remote(rl_lr), timeout=600)
     syncer.wait_until_started()
     dataset = make_prompts(prompts, PROMPT_LEN, seed=20_000)
     history = []
     for index in range(rounds):
         report = syncer.sync_adapter()  # every rollout now serves the trainer's current adapter
-        served = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in rollouts])
-        trained = ray.get(trainer.generate.remote(dataset, NEW_TOKENS))
+        served = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in rollouts], timeout=600)
+        trained = ray.get(trainer.generate.remote(dataset, NEW_TOKENS), timeout=600)
         batch = sample_batch(rollouts, dataset, group, seed=index, score=reward)
         train_on_batch(trainer, batch, steps_per_batch)
         rollout_accuracy = min(accuracy(dataset, g.token_ids) for g in served)

@@ -50,13 +50,14 @@ def main() -> None:
     rollouts = [RolloutActor.options(**on(node)).remote(engine) for node in rollout_nodes]
 
     counting = [[(start + 2 * i) % 512 for i in range(16)] for start in range(0, 512, 64)]
-    ray.get(trainer.train_step.remote(counting))
+    ray.get(trainer.train_step.remote(counting), timeout=600)
     report = refit.Syncer(trainer, rollouts).sync()
     print(report.summary())
     prompts = [[100, 102, 104, 106, 108, 110, 112, 114]]
-    print("trainer:", ray.get(trainer.generate.remote(prompts, 8))[0])
+    print("trainer:", ray.get(trainer.generate.remote(prompts, 8), timeout=600)[0])
     for replica, rollout in zip(report.replicas, rollouts):
-        print(f"rollout {replica.replica} on node {replica.node_id}:", ray.get(rollout.generate.remote(prompts, 8)).token_ids[0])
+        served = ray.get(rollout.generate.remote(prompts, 8), timeout=600)
+        print(f"rollout {replica.replica} on node {replica.node_id}:", served.token_ids[0])
 
 
 if __name__ == "__main__":

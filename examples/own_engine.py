@@ -63,13 +63,13 @@ if __name__ == "__main__":
     rollout = MyRollout.remote(str(rollout_ckpt))
 
     counting = [[(start + 3 * i) % 512 for i in range(16)] for start in range(0, 512, 64)]
-    print("loss", ray.get(trainer.train_step.remote(counting)))  # one optimizer step
+    print("loss", ray.get(trainer.train_step.remote(counting), timeout=600))  # one optimizer step
 
     with refit.Syncer(trainer, [rollout]) as syncer:
         print(syncer.sync().summary())  # my rollout now serves the trainer's weights
 
     prompts = [[7, 10, 13, 16, 19, 22, 25, 28]]
-    print("trainer:", ray.get(trainer.generate.remote(prompts, 8))[0])
-    print("my rollout:", ray.get(rollout.generate.remote(prompts, 8))[0])
-    print(ray.get(rollout.scale_table.remote()))
+    print("trainer:", ray.get(trainer.generate.remote(prompts, 8), timeout=600)[0])
+    print("my rollout:", ray.get(rollout.generate.remote(prompts, 8), timeout=600)[0])
+    print(ray.get(rollout.scale_table.remote(), timeout=600))
     ray.shutdown()

@@ -21,13 +21,13 @@ engine = refit.EngineConfig(model=str(rollout_ckpt), load_format="dummy", kv_cac
 rollouts = [RolloutActor.remote(engine) for _ in range(2)]
 
 counting = [[(start + 3 * i) % 512 for i in range(16)] for start in range(0, 512, 64)]
-print("loss", ray.get(trainer.train_step.remote(counting)))  # one optimizer step
+print("loss", ray.get(trainer.train_step.remote(counting), timeout=600))  # one optimizer step
 
 report = refit.sync(trainer, rollouts)  # the rollouts now serve the trainer's weights
 print(report.summary())
 
 prompts = [[7, 10, 13, 16, 19, 22, 25, 28]]
-print("trainer:", ray.get(trainer.generate.remote(prompts, 8))[0])
+print("trainer:", ray.get(trainer.generate.remote(prompts, 8), timeout=600)[0])
 for i, rollout in enumerate(rollouts):
-    print(f"rollout {i}:", ray.get(rollout.generate.remote(prompts, 8)).token_ids[0])
+    print(f"rollout {i}:", ray.get(rollout.generate.remote(prompts, 8), timeout=600).token_ids[0])
 ray.shutdown()

@@ -130,8 +130,8 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
     # so no round's sync time includes it.
     began = time.monotonic()
     for step in range(warmup_steps):
-        ray.get(trainer.train_step.remote(make_sequences(32, 24, seed=step).tolist()))
-    ray.get(trainer.set_learning_rate.remote(rl_lr))
+        ray.get(trainer.train_step.remote(make_sequences(32, 24, seed=step).tolist()), timeout=600)
+    ray.get(trainer.set_learning_rate.remote(rl_lr), timeout=600)
     waited = syncer.wait_until_started() + sum(s.wait_until_started() for _, s in watched.values())
     log(f"engines started: up {time.monotonic() - began:.1f} s after the loop began "
         f"(the {warmup_steps}-step warm-up ran meanwhile, then {waited:.1f} s waited)")
@@ -142,14 +142,14 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
         report = syncer.sync()  # every rollout now serves the trainer's current policy
         others = {name: (replica, s.sync()) for name, (replica, s) in watched.items()}
         # Greedy accuracy of the policy that samples this round's batch, before training on it.
-        greedy = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in rollouts])
-        trained = ray.get(trainer.generate.remote(dataset, NEW_TOKENS))
+        greedy = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in rollouts], timeout=600)
+        trained = ray.get(trainer.generate.remote(dataset, NEW_TOKENS), timeout=600)
         views = {
-            name: Watched(accuracy(dataset, ray.get(replica.generate.remote(dataset, NEW_TOKENS)).token_ids), r,
-                          provenance_summary(ray.get(replica.scale_records.remote())))
+            name: Watched(accuracy(dataset, ray.get(replica.generate.remote(dataset, NEW_TOKENS), timeout=600).token_ids), r,
+                          provenance_summary(ray.get(replica.scale_records.remote(), timeout=600)))
             for name, (replica, r) in others.items()
         }
-        provenance = [provenance_summary(ray.get(r.scale_records.remote())) for r in rollouts]
+        provenance = [provenance_summary(ray.get(r.scale_records.remote(), timeout=600)) for r in rollouts]
 
         batch = sample_batch(rollouts, dataset, group, seed=index)
         train_on_batch(trainer, batch, steps_per_batch)
@@ -179,7 +179,7 @@ def sample_batch(rollouts, dataset: Sequence[Sequence[int]], group: int, *, seed
     samples = ray.get([
         rollout.generate.remote(shard, NEW_TOKENS, temperature=1.0, n=group, seed=seed)
         for rollout, shard in zip(rollouts, shards) if shard
-    ])
+    ], timeout=600)
     sequences, advantages, rewards, sampled_logprobs = [], [], [], []
     for shard, generation in zip(shards, samples):
         for p, prompt in enumerate(shard):
@@ -199,10 +199,10 @@ def sample_batch(rollouts, dataset: Sequence[Sequence[int]], group: int, *, seed
 def train_on_batch(trainer, batch: Batch, steps: int) -> None:
     """PPO-style: `steps` steps against the policy that sampled the batch (its bf16 logprobs), each token weighted by
     the truncated importance ratio against the FP8 rollout's logprobs."""
-    old = ray.get(trainer.completion_logprobs.remote(batch.sequences, PROMPT_LEN))
+    old = ray.get(trainer.completion_logprobs.remote(batch.sequences, PROMPT_LEN), timeout=600)
     for _ in range(steps):
         ray.get(trainer.policy_gradient_step.remote(batch.sequences, PROMPT_LEN, batch.advantages, old,
-                                                    batch.sampled_logprobs))
+                                                    batch.sampled_logprobs), timeout=600)
 
 
 def probe_outcome(report: refit.SyncReport) -> str:
