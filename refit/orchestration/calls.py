@@ -188,7 +188,7 @@ def summary(error: BaseException) -> str:
     """`Type: first line of the message`, of the original error behind Ray's wrapper."""
     cause = getattr(error, "cause", None) or error  # RayTaskError keeps the remote exception as `cause`
     lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__  # a KeyboardInterrupt says nothing
 
 
 class BucketStream:
