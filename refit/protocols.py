@@ -129,7 +129,9 @@ class WeightSource(Protocol):
         Called with Ray's `num_returns="streaming"`: the trainer runs at most
         `max_buckets_in_flight` buckets ahead. The stream is closed (the
         generator's `finally` runs) when a sync ends early. Checks every tensor
-        before the first bucket, so bad state sends nothing.
+        before the first bucket, so bad state sends nothing. Yield each bucket
+        (`for bucket in buckets: yield bucket`), or `yield from` a generator:
+        Ray drives the method with `send()`, which a list's iterator lacks.
 
         Other transports than `"ray"` call `stream_buckets(plan, transport)`
         (the collective group's `Rendezvous`, or `"ipc"`): pass the buckets

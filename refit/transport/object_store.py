@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refit.errors import ActorDiedError, SyncTimeoutError
+from refit.errors import ActorDiedError, PlanMismatchError, SyncTimeoutError
 from refit.transport.buckets import WireBucket
 
 __all__ = ["fetch_parts", "remote_error"]
@@ -25,6 +25,11 @@ def fetch_parts(bucket: WireBucket | list[Any], timeout_s: float) -> list[WireBu
     for rank, part in enumerate(bucket):
         who = "the trainer" if len(bucket) == 1 else f"trainer rank {rank}"
         parts.append(part if isinstance(part, WireBucket) else _fetch_part(part, who, deadline - time.monotonic(), timeout_s))
+    if strays := [(rank, part) for rank, part in enumerate(parts) if not isinstance(part, WireBucket)]:
+        rank, part = strays[0]
+        who = "the trainer" if len(parts) == 1 else f"trainer rank {rank}"
+        raise PlanMismatchError(f"{who}'s stream_buckets yielded a {type(part).__name__}, not a WireBucket: yield what "
+                                "refit.produce_buckets or refit.transport.buckets.pack_bucket make")
     return parts
 
 
@@ -44,7 +49,12 @@ def remote_error(error: Exception, who: str, method: str) -> Exception:
     import ray
 
     if isinstance(error, ray.exceptions.RayTaskError):
-        return error.as_instanceof_cause()
+        cause = error.as_instanceof_cause()
+        if method == "stream_buckets" and isinstance(error.cause, AttributeError) and "attribute 'send'" in str(error.cause):
+            cause.add_note(f"{who}'s stream_buckets did `yield from` an iterator that is not a generator (a list's, say): "
+                           "Ray drives a streaming method with send(), which such an iterator lacks; yield each bucket "
+                           "in a for loop instead")
+        return cause
     if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
         # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]

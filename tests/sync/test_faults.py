@@ -188,6 +188,45 @@ def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replica
     assert_serves(replicas, trainers[1], report.version)
 
 
+@ray.remote
+class MiswrittenTrainer:
+    """A custom weight source whose stream is written wrong: `yield from` a list (which Ray's streaming cannot drive),
+    or a value that is no bucket."""
+
+    def __init__(self, checkpoint: str, mistake: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        self.mistake = mistake
+
+    def weight_metadata(self):
+        return refit.describe_weights(self.model)
+
+    def stream_buckets(self, plan):
+        if self.mistake == "not a bucket":
+            yield {"model.embed_tokens.weight": 0}
+        buckets = list(refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__))
+        yield from buckets
+
+
+def test_a_stream_written_wrong_is_refused_naming_the_mistake_and_the_next_sync_heals(replicas, trainers, actors_factory):
+    """Found by a probe: both failed deep inside the replica (`'list_iterator' object has no attribute 'send'`,
+    `'dict' object has no attribute 'nbytes'`) without saying what the trainer's author got wrong."""
+    served = refit.Syncer(trainers[0], replicas, FAST).sync().version
+    over_ray = dataclasses.replace(FAST, transport="ray", bucket_bytes=1 << 18)
+    options = {"num_cpus": 0, "resources": {"node0": 0.01}}
+    stray = actors_factory.keep(MiswrittenTrainer.options(**options).remote(str(model_dir(True, "bf16")), "not a bucket"))
+    with pytest.raises(refit.PlanMismatchError, match="the trainer's stream_buckets yielded a dict, not a WireBucket"):
+        refit.Syncer(stray, replicas, over_ray).sync()
+    assert all(status(r).phase is Phase.SERVING and status(r).served_version == served for r in replicas)  # nothing loaded
+    delegating = actors_factory.keep(MiswrittenTrainer.options(**options).remote(str(model_dir(True, "bf16")), "yield from"))
+    with pytest.raises(AttributeError) as error:
+        refit.Syncer(delegating, replicas, over_ray).sync()
+    assert "stream_buckets did `yield from` an iterator that is not a generator" in str(error.value), error.value
+    report = refit.Syncer(trainers[1], replicas, FAST).sync()
+    assert_serves(replicas, trainers[1], report.version)
+
+
 def test_two_syncers_at_once_never_share_a_version_and_one_wins(replicas, trainers):
     """Found: two Syncers on the same rollouts reported versions [1, 2, 2]."""
     syncers = [refit.Syncer(t, replicas, FAST) for t in trainers]
