@@ -35,6 +35,7 @@ every vLLM process knows it; engines opt in with
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from refit.engine.compat import incompatible_vllm, require_vllm_release
 from refit.engine.config import TRANSFER_BACKEND
 from refit.engine.lora import unwrap_lora_layers
 from refit.engine.readback import scale_mismatches
+from refit.engine.vllm_logs import layers_left_unloaded
 from refit.errors import EngineError, LifecycleError, VerificationError
 
 try:
@@ -75,6 +77,8 @@ from refit.transport.delta import ReplicaBase
 from refit.transport.kinds import TransportKind, transport_kind
 
 __all__ = ["DraftModel", "RefitTransferBackend", "RefitUpdateInfo", "backend_of", "register"]
+
+log = logging.getLogger("refit.engine")
 
 
 class DraftModel:
@@ -314,7 +318,11 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._plan = None
         self.base.abort()
         if self._reload is not None and self._reload.is_open:
-            self._finalize()
+            # vLLM warns once per layer that got nothing; in an abandoned update that is every layer not yet streamed.
+            with layers_left_unloaded() as left:
+                self._finalize()
+            if left:
+                log.info("the abandoned update left %d layer(s) with the tensors they held before it", len(left))
         if self._update_version is not None:
             # What was loaded is live: record it, so provenance stays true.
             self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)

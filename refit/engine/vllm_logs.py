@@ -16,9 +16,10 @@ them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["BENIGN_VLLM_WARNINGS", "VLLM_ADVICE", "BenignVllmWarnings", "quiet_benign_vllm_warnings"]
+__all__ = ["BENIGN_VLLM_WARNINGS", "VLLM_ADVICE", "BenignVllmWarnings", "layers_left_unloaded", "quiet_benign_vllm_warnings"]
 
 Match = Callable[[logging.LogRecord], bool]
 
@@ -32,13 +33,16 @@ def _starts(prefix: str) -> Match:
     return lambda record: isinstance(record.msg, str) and record.msg.startswith(prefix)
 
 
+_RELOAD = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED = "%s: Failed to load weights"
+
 # logger name -> what it logs that is benign in a refit engine.
 BENIGN_VLLM_WARNINGS: dict[str, tuple[Match, ...]] = {
     # Every layerwise reload (each sync): the rotary embedding's only tensor is its cos/sin cache, a buffer that
     # no checkpoint holds and that vLLM recomputes and puts back itself. Only "RotaryEmbedding" is matched: any
     # other layer that loaded nothing in a reload is a real failure, and refit's completeness check refuses it.
-    "vllm.model_executor.model_loader.reload.layerwise": (
-        _message("%s: Failed to load weights", ("RotaryEmbedding",)),
+    _RELOAD: (
+        _message(_NOT_LOADED, ("RotaryEmbedding",)),
     ),
     # The first generate: refit starts engines with `skip_tokenizer_init=True` (token ids in and out, see
     # refit/engine/config.py), so there is no tokenizer to take an EOS id from; requests stop at `max_tokens`.
@@ -108,3 +112,26 @@ def quiet_benign_vllm_warnings() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, BenignVllmWarnings) for f in logger.filters):
             logger.addFilter(BenignVllmWarnings(BENIGN_VLLM_WARNINGS.get(name, ()), VLLM_ADVICE.get(name, ())))
+
+
+@contextmanager
+def layers_left_unloaded() -> Iterator[list[str]]:
+    """The layers that a reload finalized inside the block found without new tensors (vLLM puts their old ones back),
+    collected rather than logged: finalizing an abandoned update would warn once for every layer not yet streamed,
+    which is expected there and says nothing a single line cannot. Benign ones (the rotary cache) are not counted."""
+    left: list[str] = []
+    benign = BENIGN_VLLM_WARNINGS[_RELOAD]
+
+    def collect(record: logging.LogRecord) -> bool:
+        if record.msg != _NOT_LOADED:
+            return True
+        if not any(match(record) for match in benign):
+            left.append(str(record.args[0]) if record.args else "?")
+        return False
+
+    logger = logging.getLogger(_RELOAD)
+    logger.addFilter(collect)
+    try:
+        yield left
+    finally:
+        logger.removeFilter(collect)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from refit.engine.vllm_logs import BENIGN_VLLM_WARNINGS, VLLM_ADVICE, quiet_benign_vllm_warnings
+from refit.engine.vllm_logs import BENIGN_VLLM_WARNINGS, VLLM_ADVICE, layers_left_unloaded, quiet_benign_vllm_warnings
 from tests.support.actors import KeptMessages
 
 LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
@@ -86,3 +86,15 @@ def test_each_logger_has_one_filter_and_every_match_is_tested():
     assert {name for name, _, _ in BENIGN} == set(BENIGN_VLLM_WARNINGS)
     assert len(BENIGN) == sum(map(len, BENIGN_VLLM_WARNINGS.values()))
     assert {name for name, _, _ in ADVICE} == set(VLLM_ADVICE) and len(ADVICE) == sum(map(len, VLLM_ADVICE.values()))
+
+
+def test_an_abandoned_updates_unloaded_layers_are_counted_not_logged_and_only_inside_the_block(kept):
+    layerwise = logging.getLogger(LAYERWISE)
+    with layers_left_unloaded() as left:
+        for layer in ("QKVParallelLinear", "RotaryEmbedding", "RMSNorm"):
+            layerwise.warning("%s: Failed to load weights", layer)
+        layerwise.warning("%s: Delayed processing", "FusedMoE")  # anything else goes through
+    layerwise.warning("%s: Failed to load weights", "RowParallelLinear")  # after the block: logged again
+    assert left == ["QKVParallelLinear", "RMSNorm"]  # the rotary cache is benign, not a layer left as it was
+    assert kept.messages == ["FusedMoE: Delayed processing", "RowParallelLinear: Failed to load weights"]
+
