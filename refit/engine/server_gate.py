@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import secrets
 import time
@@ -164,11 +165,10 @@ class RefitGate:
         if verb == "POST":
             self._renew_hold()
         if path == "/refit/hold" and verb == "POST":
-            try:
-                self._hold_lease_s = float(query.get("lease_s", "360"))
-            except ValueError:
-                return 400, {"error": "lease_s must be a number of seconds"}
-            self._held, self._hold_deadline = True, time.monotonic() + self._hold_lease_s
+            lease_s = _seconds(query.get("lease_s", "360"))
+            if lease_s is None or lease_s <= 0:
+                return 400, {"error": "lease_s must be a positive, finite number of seconds"}
+            self._held, self._hold_lease_s, self._hold_deadline = True, lease_s, time.monotonic() + lease_s
         elif path == "/refit/release" and verb == "POST":
             self._held = False
             if query.get("synced") == "1":
@@ -177,10 +177,9 @@ class RefitGate:
                 self._refusing = query["refusing"][:2000] or "a sync failed"
             await self._notify()
         elif path == "/refit/drain" and verb == "POST":
-            try:
-                timeout_s = float(query.get("timeout_s", "60"))
-            except ValueError:
-                return 400, {"error": "timeout_s must be a number of seconds"}
+            timeout_s = _seconds(query.get("timeout_s", "60"))
+            if timeout_s is None:
+                return 400, {"error": "timeout_s must be a finite number of seconds"}
             try:
                 await asyncio.wait_for(self._wait_for(lambda: self._in_flight == 0), max(0.0, timeout_s))
             except TimeoutError:
@@ -228,6 +227,16 @@ class RefitGate:
         if self._changed is None:
             self._changed = asyncio.Condition()
         return self._changed
+
+
+def _seconds(text: str) -> float | None:
+    """A query's number of seconds; None for what is none (NaN and infinity parse as floats, but a hold that never
+    lapses, or a deadline that is no time, would be the gate's own hang)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _path(scope: Scope) -> str:

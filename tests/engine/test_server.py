@@ -493,3 +493,20 @@ def test_a_hold_whose_replica_stops_calling_lapses_into_a_refusal_and_health_che
         assert "/v1/completions" not in app.reached
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("query", ["/refit/hold?lease_s=inf", "/refit/hold?lease_s=nan", "/refit/hold?lease_s=0",
+                                   "/refit/hold?lease_s=-5", "/refit/hold?lease_s=soon", "/refit/drain?timeout_s=inf",
+                                   "/refit/drain?timeout_s=nan"])
+def test_a_hold_that_would_never_lapse_or_a_drain_without_a_deadline_is_refused(gate, query):
+    """NaN and infinity parse as floats: a hold of either never lapsed, and users' requests waited for ever."""
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        status, body = await _ask(refit_gate, query)
+        assert status == 400 and "finite number of seconds" in body["error"], body
+        assert (await _ask(refit_gate, "/refit/state", verb="GET"))[1]["held"] is False
+        assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
+
+    asyncio.run(scenario())
+
