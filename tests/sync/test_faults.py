@@ -149,23 +149,34 @@ def test_a_trainer_missing_tensors_is_refused_before_any_byte_and_the_replicas_k
     assert_serves(replicas, trainers[0])
 
 
-@ray.remote
-class DroppingTrainer:
-    """Claims every weight in its metadata, then streams one tensor fewer (a buggy custom weight source)."""
+class HandWrittenSource:
+    """What the hand-written weight sources below share: a bf16 model from a checkpoint, its metadata, its buckets.
+    Each differs in its `stream_buckets`, written the way a user's faulty one would be."""
 
-    def __init__(self, checkpoint: str, drop: str) -> None:
+    def __init__(self, checkpoint: str) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-        self.drop = drop
 
     def weight_metadata(self):
         return refit.describe_weights(self.model)
 
+    def buckets(self, plan):
+        return refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__)
+
+
+@ray.remote
+class DroppingTrainer(HandWrittenSource):
+    """Claims every weight in its metadata, then streams one tensor fewer (a buggy custom weight source)."""
+
+    def __init__(self, checkpoint: str, drop: str) -> None:
+        super().__init__(checkpoint)
+        self.drop = drop
+
     def stream_buckets(self, plan):
         from refit.transport.buckets import pack_bucket
 
-        for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
+        for bucket in self.buckets(plan):
             kept = [(name, tensor) for name, tensor in bucket.unpack() if not name.startswith(self.drop)]
             yield pack_bucket(bucket.index, kept, key=plan.integrity_key)
 
@@ -189,24 +200,18 @@ def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replica
 
 
 @ray.remote
-class MiswrittenTrainer:
+class MiswrittenTrainer(HandWrittenSource):
     """A custom weight source whose stream is written wrong: `yield from` a list (which Ray's streaming cannot drive),
     or a value that is no bucket."""
 
     def __init__(self, checkpoint: str, mistake: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        super().__init__(checkpoint)
         self.mistake = mistake
-
-    def weight_metadata(self):
-        return refit.describe_weights(self.model)
 
     def stream_buckets(self, plan):
         if self.mistake == "not a bucket":
             yield {"model.embed_tokens.weight": 0}
-        buckets = list(refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__))
-        yield from buckets
+        yield from list(self.buckets(plan))
 
 
 def test_a_stream_written_wrong_is_refused_naming_the_mistake_and_the_next_sync_heals(replicas, trainers, actors_factory):
@@ -418,24 +423,19 @@ def test_a_killed_driver_mid_stream_strands_no_replica(replicas, trainers, ray_c
 
 
 @ray.remote
-class CorruptingTrainer:
+class CorruptingTrainer(HandWrittenSource):
     """Passes its own checks, then puts an invalid KV scale into bucket 1 (a replica refuses that bucket)."""
 
     def __init__(self, checkpoint: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        super().__init__(checkpoint)
         self.corrupt = True
         self.streams_closed = 0
-
-    def weight_metadata(self):
-        return refit.describe_weights(self.model)
 
     def stream_buckets(self, plan):
         from refit.transport.buckets import pack_bucket
 
         try:
-            for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
+            for bucket in self.buckets(plan):
                 extra = [("model.layers.0.self_attn.k_scale", torch.tensor([-1.0]))] if self.corrupt and bucket.index == 1 else []
                 yield pack_bucket(bucket.index, bucket.unpack() + extra, key=plan.integrity_key)
         finally:
@@ -461,19 +461,11 @@ def test_the_trainer_is_free_at_once_after_a_mid_stream_failure(replicas, traine
 
 
 @ray.remote
-class StallingTrainer:
+class StallingTrainer(HandWrittenSource):
     """Sends its first bucket, then stops answering (a hung trainer)."""
 
-    def __init__(self, checkpoint: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-
-    def weight_metadata(self):
-        return refit.describe_weights(self.model)
-
     def stream_buckets(self, plan):
-        for bucket in refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__):
+        for bucket in self.buckets(plan):
             yield bucket
             time.sleep(3600)
 
