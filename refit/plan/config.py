@@ -19,6 +19,8 @@ from refit.transport.kinds import TransportKind, transport_kind
 
 __all__ = ["Delta", "Draft", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
+_LONGEST_WAIT_S = 7 * 24 * 3600  # SyncConfig's deadlines; beyond a week a deadline is no deadline
+
 
 class Verify(StrEnum):
     """How much of a sync is verified (see `refit.verification`)."""
@@ -212,8 +214,9 @@ class SyncConfig:
             problems.append(f"check_against_rollout={self.check_against_rollout!r}: expected True or False")
         for name in ("timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                problems.append(f"{name}={value!r}: expected a positive number of seconds")
+            # An infinite deadline is none, and a replica's update lease (3 x timeout_s) would never lapse.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _LONGEST_WAIT_S:
+                problems.append(f"{name}={value!r}: expected a positive number of seconds, at most {_LONGEST_WAIT_S} (a week)")
         try:
             prompts = token_prompts(self.calibration_prompts, setting="calibration_prompts")
             object.__setattr__(self, "calibration_prompts", prompts)

@@ -35,6 +35,8 @@ def test_policies_are_accepted_as_strings_or_enums_alike():
     ({"calibration_prompts": ["hello"]}, "expected a sequence of token ids, not text"),
     ({"calibration_prompts": [[1, -2]]}, "token ids [-2]"),
     ({"timeout_s": 0}, "timeout_s=0"),
+    ({"timeout_s": float("inf")}, "timeout_s=inf: expected a positive number of seconds, at most 604800 (a week)"),
+    ({"startup_timeout_s": 1e308}, "startup_timeout_s=1e+308: expected a positive number of seconds, at most"),
     ({"max_buckets_in_flight": 0}, "max_buckets_in_flight=0"),
     ({"metrics_tag": ""}, "metrics_tag='': expected a non-empty str"),
     ({"metrics_tag": 3}, "metrics_tag=3: expected a non-empty str"),
