@@ -18,7 +18,8 @@ replica (`RolloutActor.options(name=...)`): its status (serving which
 version, updating, or refusing and why), its last update, and where each of
 its scales came from. `--json` prints the same as JSON. A replica that is
 dead, hung or broken is listed with why it could not be read (JSON: an
-`error` field); the others are shown all the same.
+`error` field); the others are shown all the same. An address where no Ray
+cluster answers is an error naming it, within `CONNECT_TIMEOUT_S`.
 
 `serve` starts vLLM's OpenAI-compatible server (`vllm serve`) on MODEL with
 what a refit sync needs: refit's worker extension and weight-transfer
@@ -113,24 +114,71 @@ def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: st
 INSPECT_TIMEOUT_S = 60.0
 """How long `refit inspect` waits for all replicas' answers; one that has not answered by then is listed as such."""
 
+CONNECT_TIMEOUT_S = 30.0
+"""How long `refit inspect` waits for a Ray cluster at `--address` to answer."""
+
+_ADDRESS_HINT = "pass the head node's --address HOST:PORT (`ray status` on it prints it)"
+
+
+def _connect(address: str) -> None:
+    """`ray.init(address)` within `CONNECT_TIMEOUT_S`, or a ConfigError naming the address.
+
+    Why a thread: given an address where nothing answers, or where something
+    other than Ray's GCS listens, `ray.init` retries for minutes (measured:
+    still waiting after 120 s); the thread is a daemon, so a command that gave
+    up exits without it.
+    """
+    import logging
+    import socket
+    import threading
+
+    import ray
+
+    from refit.errors import ConfigError
+
+    outcome: dict[str, BaseException | None] = {}
+
+    def attempt() -> None:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            outcome["error"] = None
+        except BaseException as error:  # handed to the caller's thread
+            outcome["error"] = error
+
+    host, _, port = address.rpartition(":")
+    if "://" not in address and host and port.isdigit():  # HOST:PORT: where nothing listens, say so at once
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, CONNECT_TIMEOUT_S)).close()
+        except OSError as error:
+            raise ConfigError(f"no Ray cluster at address={address!r} ({error.strerror or error}); {_ADDRESS_HINT}") from None
+    # Ray says, for a driver started off the main thread, that it set no SIGTERM handler: nothing a user can act on.
+    quiet = logging.getLogger("ray._private.worker")
+    not_main = lambda record: "SIGTERM handler is not set" not in str(record.msg)  # noqa: E731
+    quiet.addFilter(not_main)
+    connecting = threading.Thread(target=attempt, name="refit-inspect-connect", daemon=True)
+    connecting.start()
+    connecting.join(CONNECT_TIMEOUT_S)
+    quiet.removeFilter(not_main)
+    if "error" not in outcome:
+        raise ConfigError(f"no Ray cluster answered at address={address!r} within {CONNECT_TIMEOUT_S:.0f} s; {_ADDRESS_HINT}")
+    if isinstance(outcome["error"], (ConnectionError, ValueError)):
+        raise ConfigError(f"no Ray cluster at address={address!r} ({outcome['error']}); {_ADDRESS_HINT}") from outcome["error"]
+    if outcome["error"] is not None:
+        raise outcome["error"]
+
 
 def _inspect(address: str, as_json: bool) -> int:
     import json
-    import logging
     import time
     from dataclasses import asdict
 
     import ray
 
-    from refit.errors import ConfigError
     from refit.protocols import has_method
     from refit.provenance import format_table
 
     if not ray.is_initialized():
-        try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-        except (ConnectionError, ValueError) as error:
-            raise ConfigError(f"no Ray cluster at address={address!r} ({error}); pass --address HOST:PORT") from error
+        _connect(address)
     replicas, unreadable = [], []  # (namespace/name, node id, status, last update, scale records); (namespace/name, why)
     asked = []  # one dead or hung replica must not hide the others: ask them all, then wait under one deadline
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -73,6 +73,33 @@ def test_serve_refuses_more_than_one_key_or_api_server_before_starting_anything(
     assert "VLLM_SERVER_DEV_MODE" not in os.environ and "REFIT_API_KEY" not in os.environ
 
 
+def test_inspect_of_an_address_without_a_ray_cluster_is_an_error_within_its_deadline():
+    """Found: `ray.init` at such an address was still retrying after 120 s, so `refit inspect` never answered."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def inspect(address: str) -> tuple[subprocess.CompletedProcess, float]:
+        script = f"import sys, refit.cli as cli; cli.CONNECT_TIMEOUT_S = 3; sys.exit(cli.main(['inspect', '--address', {address!r}]))"
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        return result, time.monotonic() - start
+
+    with socket.socket() as nobody:  # a port bound, never listened on: refused
+        nobody.bind(("127.0.0.1", 0))
+        refused, _ = inspect(f"127.0.0.1:{nobody.getsockname()[1]}")
+    assert refused.returncode == 1 and "no Ray cluster at address='127.0.0.1:" in refused.stderr, refused.stderr[-2000:]
+    assert "Connection refused" in refused.stderr and "Traceback" not in refused.stderr
+    with socket.socket() as stranger:  # something listens, but it is no Ray cluster: the deadline
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        silent, seconds = inspect(f"127.0.0.1:{stranger.getsockname()[1]}")
+    assert silent.returncode == 1 and "no Ray cluster answered at address='127.0.0.1:" in silent.stderr, silent.stderr[-2000:]
+    assert "within 3 s" in silent.stderr and "SIGTERM handler" not in silent.stderr
+    assert seconds < 60  # 3 s, plus importing Ray on a busy machine
+
+
 def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, shared_replicas, ray_cluster):
     """Run as a user would, from another process on the cluster's machine; a broken replica is listed, not fatal."""
     import subprocess
