@@ -11,7 +11,7 @@ import torch
 
 import refit
 
-__all__ = ["die_at", "die_when_joining", "kill_during_syncs", "kill_mid_stream", "tamper_next_stream"]
+__all__ = ["HandWrittenSource", "die_at", "die_when_joining", "kill_during_syncs", "kill_mid_stream", "tamper_next_stream"]
 
 
 def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: type[BaseException], match: str,
@@ -122,3 +122,24 @@ def tamper_next_stream(trainer, how: str, bucket: int = 0) -> None:
             yield altered(packed, plan.integrity_key) if packed.index == bucket else packed
 
     namespace["produce_buckets"] = tampering
+
+
+class HandWrittenSource:
+    """What hand-written weight sources share: a bf16 model from a checkpoint, its metadata, its buckets. Each
+    subclass (a Ray actor) writes its own `stream_buckets`, the way a user's faulty one would be.
+
+    Here rather than in a test module: a Ray actor's base class is pickled by reference, and a test module is not
+    importable in Ray's workers.
+    """
+
+    def __init__(self, checkpoint: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+
+    def weight_metadata(self):
+        return refit.describe_weights(self.model)
+
+    def buckets(self, plan):
+        return refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__)
+

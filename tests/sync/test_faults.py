@@ -23,7 +23,7 @@ from fixtures import NEW_TOKENS, VOCAB_SIZE, model_dir
 from refit import Phase
 from tests.support.actors import hold_a_request, release_the_request, run_in, started
 from tests.support.checkpoints import write_fewer_layers
-from tests.support.faults import die_when_joining, kill_during_syncs
+from tests.support.faults import HandWrittenSource, die_when_joining, kill_during_syncs
 from tests.support.serving import PROMPTS, SAME_MODEL, agreement, assert_serves, status, tokens
 
 FAST = refit.SyncConfig(timeout_s=20)
@@ -147,22 +147,6 @@ def test_a_trainer_missing_tensors_is_refused_before_any_byte_and_the_replicas_k
         refit.Syncer(small, replicas, FAST).sync()
     assert [status(r) for r in replicas] == before
     assert_serves(replicas, trainers[0])
-
-
-class HandWrittenSource:
-    """What the hand-written weight sources below share: a bf16 model from a checkpoint, its metadata, its buckets.
-    Each differs in its `stream_buckets`, written the way a user's faulty one would be."""
-
-    def __init__(self, checkpoint: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-
-    def weight_metadata(self):
-        return refit.describe_weights(self.model)
-
-    def buckets(self, plan):
-        return refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__)
 
 
 @ray.remote
