@@ -55,6 +55,14 @@ def remote_error(error: Exception, who: str, method: str) -> Exception:
                            "Ray drives a streaming method with send(), which such an iterator lacks; yield each bucket "
                            "in a for loop instead")
         return cause
+    if isinstance(error, ray.exceptions.ActorUnavailableError) and "restart" in str(error):  # restarting, or restarted
+        # Ray restarts it (max_restarts): a new process, without anything a sync gave the old one.
+        advice = ("; once it has started, add it back with Syncer.add_replica: the next sync sends it every weight"
+                  if who.startswith("rollout") else "")
+        gone = ActorDiedError(f"{who} died and Ray restarts it ({method}): a new process, with none of the old "
+                              f"one's state{advice}", who)
+        gone.__cause__ = error
+        return gone
     if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
         # Ray's message ends with the cause (e.g. the exception that failed the actor's constructor).
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]

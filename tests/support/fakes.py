@@ -11,6 +11,7 @@ import torch
 from refit import EngineError, SyncConfig
 from refit.engine.lifecycle import FinishedUpdate, UpdateLifecycle
 from refit.plan import RolloutModelInfo, checkpoint_tensors, describe_weights, loadable_tensors, produce_buckets
+from refit.transport.object_store import fetch_parts
 
 FP8_BLOCK = {
     "quant_method": "compressed-tensors",
@@ -94,7 +95,8 @@ class FakeReplica:
         self.buckets_seen += 1
         if self.buckets_seen == self.fail.get("at_bucket"):
             raise self.fail.get("bucket_error") or EngineError(f"loader fault at bucket {bucket.index}")
-        self._pending.update(loadable_tensors(self._plan, bucket))
+        # Through Ray (the fake as an actor) a bucket comes as its parts' object refs, which a replica fetches itself.
+        self._pending.update(loadable_tensors(self._plan, fetch_parts(bucket, timeout_s=60)))
         return 0.0
 
     def finish_update(self, sync_id, version):
@@ -126,3 +128,18 @@ CONFIG = SyncConfig(bucket_bytes=100_000, timeout_s=5)
 def setup(replicas: int = 2, **fail):
     model = tiny_decoder()
     return FakeTrainer(model), [FakeReplica(expected_names(model), **(fail if i == 0 else {})) for i in range(replicas)]
+
+
+class SlowToRestartReplica(FakeReplica):
+    """A fake replica whose restart by Ray (`max_restarts`) takes `restart_s`, as an engine's does: Ray keeps idle
+    workers ready, so a plain object's restart could finish before the next call reached it."""
+
+    def __init__(self, expected: set[str], restart_s: float = 3.0) -> None:
+        import time
+
+        import ray
+
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            time.sleep(restart_s)
+        super().__init__(expected)
+

@@ -16,6 +16,7 @@ not a clock, so neither depends on how loaded the machine is.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
@@ -137,3 +138,38 @@ def test_a_removed_replica_is_left_as_it_is_and_the_others_are_synced(shared_rep
     assert status(shared_replicas[1]) == refit.ReplicaStatus(Phase.SERVING, before)  # untouched
     with pytest.raises(refit.ConfigError, match="'rollout 1' is not a replica of this Syncer; its replicas: rollout 0"):
         syncer.remove_replica("rollout 1")
+
+
+def test_a_replica_that_ray_restarts_is_dropped_as_restarting_and_rejoins_when_added_back(ray_cluster):
+    """Ray's fault tolerance (`max_restarts`) brings a killed replica back as a new process with nothing synced:
+    the sync that finds it restarting drops it saying so, and once up it takes the same handle back. Plain-Python
+    trainer and replicas as Ray actors: the point is Ray's restart, not the engine (checked by hand on an engine)."""
+    from tests.support.fakes import FakeReplica, FakeTrainer, SlowToRestartReplica, expected_names, tiny_decoder
+
+    model = tiny_decoder()
+    trainer = ray.remote(FakeTrainer).options(num_cpus=0).remote(model)
+    steady = ray.remote(FakeReplica).options(num_cpus=0).remote(expected_names(model))
+    phoenix = ray.remote(SlowToRestartReplica).options(num_cpus=0, max_restarts=1).remote(expected_names(model))
+    config = refit.SyncConfig(bucket_bytes=100_000, timeout_s=30)
+    with refit.Syncer(trainer, [steady, phoenix], config) as syncer:
+        syncer.sync()
+        with pytest.raises(ray.exceptions.RayActorError):  # its process crashes, and Ray starts a new one
+            ray.get(phoenix.__ray_call__.remote(lambda _: os._exit(1)), timeout=60)
+        report = syncer.sync()  # while its constructor runs again
+        (dropped,) = report.dropped
+        assert dropped.cause == "died" and "rollout 1 died and Ray restarts it (" in dropped.error, dropped
+        assert "add it back with Syncer.add_replica" in dropped.error
+        deadline = time.monotonic() + 120
+        while True:  # up again: a new process, serving nothing synced
+            try:
+                assert ray.get(phoenix.status.remote(), timeout=30).served_version is None
+                break
+            except ray.exceptions.ActorUnavailableError:
+                assert time.monotonic() < deadline, "Ray never restarted the replica"
+                time.sleep(0.5)
+        assert syncer.add_replica(phoenix) == "rollout 2"
+        report = syncer.sync()
+    assert [r.replica for r in report.replicas] == [0, 2] and not report.dropped
+    assert ray.get(phoenix.status.remote(), timeout=30).served_version == report.version
+    for handle in (steady, phoenix, trainer):
+        ray.kill(handle)
