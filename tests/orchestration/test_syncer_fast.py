@@ -45,6 +45,15 @@ def test_an_interrupt_during_begin_aborts_the_replicas_that_began():
     assert replicas[0].status().phase is Phase.SERVING and replicas[0].lifecycle.open_update() is None
 
 
+def test_an_interrupt_mid_stream_leaves_each_replica_refusing_with_a_reason_that_names_it():
+    trainer, replicas = setup(at_bucket=2, bucket_error=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        Syncer(trainer, replicas, CONFIG).sync()
+    reasons = [r.status().reason for r in replicas]
+    assert all(r.status().phase is Phase.REFUSING for r in replicas)
+    assert reasons[1].startswith("sync ") and reasons[1].endswith(" failed: KeyboardInterrupt"), reasons  # no dangling colon
+
+
 def test_a_failure_mid_stream_refuses_everywhere_closes_the_stream_and_the_next_sync_repairs():
     trainer, replicas = setup(at_bucket=2)
     with pytest.raises(EngineError, match="loader fault at bucket 1") as error:
