@@ -24,12 +24,12 @@ def fetch_parts(bucket: WireBucket | list[Any], timeout_s: float) -> list[WireBu
     parts = []
     for rank, part in enumerate(bucket):
         who = "the trainer" if len(bucket) == 1 else f"trainer rank {rank}"
-        parts.append(part if isinstance(part, WireBucket) else _fetch_part(part, who, deadline - time.monotonic(), timeout_s))
-    if strays := [(rank, part) for rank, part in enumerate(parts) if not isinstance(part, WireBucket)]:
-        rank, part = strays[0]
-        who = "the trainer" if len(parts) == 1 else f"trainer rank {rank}"
-        raise PlanMismatchError(f"{who}'s stream_buckets yielded a {type(part).__name__}, not a WireBucket: yield what "
-                                "refit.produce_buckets or refit.transport.buckets.pack_bucket make")
+        if not isinstance(part, WireBucket):
+            part = _fetch_part(part, who, deadline - time.monotonic(), timeout_s)
+        if not isinstance(part, WireBucket):  # what a hand-written stream yielded
+            raise PlanMismatchError(f"{who}'s stream_buckets yielded a {type(part).__name__}, not a WireBucket: yield what "
+                                    "refit.produce_buckets or refit.transport.buckets.pack_bucket make")
+        parts.append(part)
     return parts
 
 

@@ -509,4 +509,3 @@ def test_a_hold_that_would_never_lapse_or_a_drain_without_a_deadline_is_refused(
         assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
 
     asyncio.run(scenario())
-

@@ -97,4 +97,3 @@ def test_an_abandoned_updates_unloaded_layers_are_counted_not_logged_and_only_in
     layerwise.warning("%s: Failed to load weights", "RowParallelLinear")  # after the block: logged again
     assert left == ["QKVParallelLinear", "RMSNorm"]  # the rotary cache is benign, not a layer left as it was
     assert kept.messages == ["FusedMoE: Delayed processing", "RowParallelLinear: Failed to load weights"]
-

@@ -142,4 +142,3 @@ class SlowToRestartReplica(FakeReplica):
         if ray.get_runtime_context().was_current_actor_reconstructed:
             time.sleep(restart_s)
         super().__init__(expected)
-

@@ -142,4 +142,3 @@ class HandWrittenSource:
 
     def buckets(self, plan):
         return refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__)
-
