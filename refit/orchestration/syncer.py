@@ -350,7 +350,7 @@ class Syncer:
         timeout = self.config.timeout_s
         # Each attempt's own secret for its bytes' tags: it reaches the trainer and the replicas inside the plan, over
         # Ray (refit/transport/integrity.py); a tag of an earlier attempt or sync verifies in none after it.
-        plan = plan.for_sync(new_sync_key() if self.config.verify is not Verify.OFF else None)
+        plan = plan.for_sync(new_sync_key() if self.config.verify is not Verify.OFF else None, sync_id, timeout)
         stage = time.perf_counter()
         roll.stage = "begin"
         first = first_claim(roll.members)  # one winner when two syncs start at once (`first_claim`)

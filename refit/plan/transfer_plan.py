@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from refit.errors import InvalidTensorError, PlanMismatchError
+from refit.errors import ConfigError, InvalidTensorError, PlanMismatchError
 from refit.plan.config import Draft, QuantizeOn, SyncConfig
 from refit.plan.expected_weights import ExpectedWeight, expected_weights, may_stream
 from refit.plan.mtp_layers import mtp_prefixes
@@ -150,6 +150,11 @@ class TransferPlan:
     """One sync's secret for the integrity tags of its bytes (refit/transport/integrity.py), or None for a
     plan not yet handed to a sync, or a sync with `verify="off"`. Set by the Syncer per sync (`for_sync`),
     so it reaches the trainer and the replicas with the plan, over Ray, never over the data plane."""
+    sync_id: str | None = field(default=None, compare=False)
+    """The sync attempt this copy of the plan is for (`for_sync`), or None for a plan not handed to one. A
+    sharded trainer's ranks take turns by it: they stream one sync at a time (refit/sharding/stream_turns.py)."""
+    timeout_s: float | None = field(default=None, compare=False)
+    """That sync's deadline for each remote call (`SyncConfig.timeout_s`): how long its turn may hold the ranks."""
     copies: tuple[tuple[str, str], ...] = ()
     """`(target, of)`: targets the replica loads from the bytes of target `of` when they arrive, never sent.
 
@@ -160,9 +165,11 @@ class TransferPlan:
     _text: _PlanText = field(default_factory=_PlanText, repr=False, compare=False)
     """The buckets and copies as JSON text, made on first use and shared by every `for_sync` copy (`to_plain`)."""
 
-    def for_sync(self, integrity_key: bytes | None) -> TransferPlan:
-        """This plan for one sync: the same buckets, that sync's integrity key."""
-        return replace(self, integrity_key=integrity_key)
+    def for_sync(self, integrity_key: bytes | None, sync_id: str | None = None, timeout_s: float | None = None) -> TransferPlan:
+        """This plan for one sync: the same buckets, that sync's integrity key, id and deadline."""
+        if (sync_id is None) != (timeout_s is None):
+            raise ConfigError("a sync's plan names both its sync_id and its timeout_s, or neither")
+        return replace(self, integrity_key=integrity_key, sync_id=sync_id, timeout_s=timeout_s)
 
     def to_plain(self) -> dict[str, Any]:
         """JSON-able data (vLLM's RPC and a server's HTTP carry no refit classes, and nothing is pickled): the plan
@@ -174,16 +181,20 @@ class TransferPlan:
         plan and shared by its `for_sync` copies; a receiver decodes each text it has not seen yet once
         (`from_plain`). Pickling (over Ray) sends the same text.
         """
-        return {"plan": self._text.of(self), "integrity_key": None if self.integrity_key is None else self.integrity_key.hex()}
+        return {"plan": self._text.of(self), "integrity_key": None if self.integrity_key is None else self.integrity_key.hex(),
+                "sync_id": self.sync_id, "timeout_s": self.timeout_s}
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> TransferPlan:
         """The plan `to_plain` described; refuses data of any other shape, naming what is wrong."""
         try:
-            text, key = plain["plan"], plain["integrity_key"]
+            text, key, sync_id, timeout_s = plain["plan"], plain["integrity_key"], plain["sync_id"], plain["timeout_s"]
             if not isinstance(text, str) or not (key is None or isinstance(key, str)):
                 raise TypeError(f"a str plan and a str or null key, not {type(text).__name__} and {type(key).__name__}")
-            return _decoded(text).for_sync(None if key is None else bytes.fromhex(key))
+            if not (sync_id is None or isinstance(sync_id, str)) or not (
+                    timeout_s is None or (type(timeout_s) in (int, float) and 0 < timeout_s < math.inf)):
+                raise TypeError(f"a str or null sync_id and a positive or null timeout_s, not {sync_id!r} and {timeout_s!r}")
+            return _decoded(text).for_sync(None if key is None else bytes.fromhex(key), sync_id, timeout_s)
         except (KeyError, TypeError, ValueError) as error:
             raise PlanMismatchError(f"not a transfer plan ({type(error).__name__}: {error}); the sender is not refit's") from None
 
@@ -231,7 +242,7 @@ def _decoded(text: str) -> TransferPlan:
     copies = tuple((target, of) for target, of in plain["copies"] if isinstance(target, str) and isinstance(of, str))
     if len(copies) != len(plain["copies"]):
         raise TypeError(f"copies {plain['copies']!r} are not [target, of] names")
-    plan = TransferPlan(buckets, QuantizeOn(plain["quantize_on"]), None, copies, _PlanText(text))
+    plan = TransferPlan(buckets, QuantizeOn(plain["quantize_on"]), copies=copies, _text=_PlanText(text))
     with _DECODED_LOCK:
         _DECODED[text] = plan
         while len(_DECODED) > _DECODED_KEPT:

@@ -72,24 +72,33 @@ def test_a_plan_is_encoded_once_and_each_process_decodes_it_once_whatever_the_sy
     """Every sync hands the plan to every member; the text is the plan's, made once, and a receiver's decoding of a
     text it has seen is its earlier plan with the new sync's key."""
     plan = make_plan(describe_weights(trainer_model(tied=True)), rollout_model(True, True), config(200_000))
-    first, second = plan.for_sync(new_sync_key()), plan.for_sync(new_sync_key())
+    first, second = plan.for_sync(new_sync_key(), "sync-a", 60), plan.for_sync(new_sync_key(), "sync-b", 7.5)
     assert first.to_plain()["plan"] is second.to_plain()["plan"]
     arrived = [pickle.loads(pickle.dumps(sent)) for sent in (first, second)]  # as over Ray
     assert arrived == [first, second] and [p.integrity_key for p in arrived] == [first.integrity_key, second.integrity_key]
+    assert [(p.sync_id, p.timeout_s) for p in arrived] == [("sync-a", 60), ("sync-b", 7.5)]
     assert arrived[1].buckets is arrived[0].buckets and arrived[1].to_plain()["plan"] is arrived[0].to_plain()["plan"]
     over_http = TransferPlan.from_plain(json.loads(json.dumps(second.to_plain())))  # as to a server's workers
-    assert over_http == second and over_http.integrity_key == second.integrity_key
+    assert over_http == second and (over_http.integrity_key, over_http.sync_id, over_http.timeout_s) == (
+        second.integrity_key, "sync-b", 7.5)
     assert TransferPlan.from_plain(plan.for_sync(None).to_plain()).integrity_key is None
 
 
 def test_data_that_is_not_a_plan_is_refused_as_such():
     text = make_plan(describe_weights(trainer_model(tied=True)), rollout_model(True, True), config(200_000)).to_plain()["plan"]
-    for bad in ([], {"plan": text}, {"plan": 5, "integrity_key": None}, {"plan": "{", "integrity_key": None},
-                {"plan": json.dumps({"buckets": []}), "integrity_key": None}, {"plan": text, "integrity_key": "not hex"},
+    no_sync = {"sync_id": None, "timeout_s": None}
+    for bad in ([], {"plan": text}, {"plan": text, "integrity_key": None}, {"plan": 5, "integrity_key": None, **no_sync},
+                {"plan": "{", "integrity_key": None, **no_sync}, {"plan": json.dumps({"buckets": []}), "integrity_key": None, **no_sync},
+                {"plan": text, "integrity_key": "not hex", **no_sync},
                 {"plan": json.dumps({"quantize_on": "trainer", "buckets": [[["w", "w", "3", "bfloat16", None]]], "copies": []}),
-                 "integrity_key": None}):
+                 "integrity_key": None, **no_sync},
+                {"plan": text, "integrity_key": None, "sync_id": 5, "timeout_s": 60},
+                {"plan": text, "integrity_key": None, "sync_id": "a", "timeout_s": "60"},
+                {"plan": text, "integrity_key": None, "sync_id": "a", "timeout_s": float("nan")},
+                {"plan": text, "integrity_key": None, "sync_id": "a", "timeout_s": None}):
         with pytest.raises(PlanMismatchError, match="not a transfer plan"):
             TransferPlan.from_plain(bad)
+    assert TransferPlan.from_plain({"plan": text, "integrity_key": None, "sync_id": "a", "timeout_s": 60}).sync_id == "a"
 
 
 def test_a_quantized_target_that_is_not_2d_is_refused_at_plan_time():
