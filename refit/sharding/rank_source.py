@@ -5,7 +5,7 @@ the same plan. Each yields one part per bucket (possibly empty): the rows of
 that bucket's tensors the routes (`refit.sharding.routes`) give it. Ranks
 meet in collectives only to agree on the routes (once per plan) and for
 tensors routed `GATHER`, in plan order, so every rank calls them in the same
-order.
+order; the ranks stream one sync at a time (`refit.sharding.stream_turns`).
 
 Where the rows are is the layout's business (`refit.sharding.layout`):
 FSDP2's row-sharded DTensors (`DTensorLayout`, the default for a model) or
@@ -25,6 +25,7 @@ from refit.quantizer.fp8_block import loadable_form
 from refit.sharding.dtensor_layout import DTensorLayout
 from refit.sharding.layout import ABSENT, RankLayout
 from refit.sharding.routes import Route, TensorRoute, route_tensors
+from refit.sharding.stream_turns import take_turn
 from refit.transport.buckets import WireBucket, pack_bucket
 
 __all__ = ["RankSource"]
@@ -62,7 +63,18 @@ class RankSource:
         return self._routes[1]
 
     def stream(self, plan: TransferPlan) -> Iterator[WireBucket]:
-        """This rank's part of every bucket, in plan order; every tensor it will send is checked first."""
+        """This rank's part of every bucket, in plan order; every tensor it will send is checked first.
+
+        Refused on every rank, before any collective, while another caller's sync streams from the group
+        (`refit.sharding.stream_turns`)."""
+        turn = take_turn(self.group, plan, self.rank)
+        try:
+            yield from self._parts(plan)
+        finally:
+            if turn is not None:
+                turn.end()
+
+    def _parts(self, plan: TransferPlan) -> Iterator[WireBucket]:
         routes = self.routes(plan)
         self._preflight(plan)
         self.gathered_bytes = 0

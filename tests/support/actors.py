@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 import ray
@@ -189,6 +190,33 @@ def started(actor):
     """`actor` once its constructor has finished (`all_started`)."""
     all_started(actor)
     return actor
+
+
+def rank_stream(rank, plan):
+    """`rank`'s stream of parts of `plan`, each made only once the one before it was taken, as a sync's relay asks."""
+    return rank.stream_buckets.options(num_returns="streaming", _generator_backpressure_num_objects=1).remote(plan)
+
+
+def streamed_together(streams, timeout_s: float = 30) -> list[str]:
+    """Take each stream's parts as they come, as a sync's relay takes a bucket's parts from every rank; how each
+    ended: "complete", its error, or that no stream made a part for `timeout_s` (a stream queued behind another on
+    its rank starts only once that one ended)."""
+    outcomes: list[str | None] = [None] * len(streams)
+    last_part = time.monotonic()
+    while None in outcomes:
+        for i, stream in enumerate(streams):
+            if outcomes[i] is not None or not ray.wait([stream], timeout=0.01)[0]:
+                continue
+            last_part = time.monotonic()
+            try:
+                ray.get(next(stream), timeout=timeout_s)
+            except StopIteration:
+                outcomes[i] = "complete"
+            except ray.exceptions.RayTaskError as error:
+                outcomes[i] = str(error.cause)
+        if time.monotonic() - last_part > timeout_s:
+            return [outcome or f"no part within {timeout_s} s" for outcome in outcomes]
+    return outcomes
 
 
 @ray.remote(num_cpus=0)

@@ -18,7 +18,7 @@ import refit
 from actors import TrainerGroup, TrainerRank
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
 from refit.engine import Phase
-from tests.support.actors import engine_state, run_in
+from tests.support.actors import engine_state, rank_stream, run_in, streamed_together
 from tests.support.faults import die_at
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=41)
@@ -136,6 +136,73 @@ def test_two_syncers_on_one_group_syncing_at_once_both_complete(replicas, actors
         assert all(isinstance(results.get(i), refit.SyncReport) for i in range(2)), results
     states = [run_in(replica, engine_state) for replica in replicas]
     assert states[0] == states[1]
+
+
+def one_ran_and_the_other_was_refused(outcomes: dict[str, list[str]]) -> bool:
+    """Of two syncs' streams (by sync id, each rank's outcome), one completed on every rank and the other was
+    refused on every rank, naming the one that ran."""
+    (first, first_outcomes), (second, second_outcomes) = outcomes.items()
+    for ran, refused in ((first, second), (second, first)):
+        if outcomes[ran] == ["complete", "complete"] and all(
+                f"sync {refused} was refused: this trainer's ranks are streaming sync {ran}" in o for o in outcomes[refused]):
+            return True
+    return False
+
+
+def test_two_syncs_whose_streams_reach_the_ranks_in_crossed_orders_run_one_and_refuse_the_other(replicas, actors_factory):
+    """Regression: two callers (two drivers) can reach the ranks in different orders, as this one caller does on
+    purpose: rank 0 got A then B, rank 1 B then A. Each rank ran the first it got, each waiting for the other in a
+    gather until the group's timeout broke its process group for good. Now whichever took the group first runs on
+    every rank, the other is refused on every rank at once, and the group syncs on."""
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=30)
+    rank0, rank1 = group.ranks
+    plan = refit.Syncer(group, replicas[0], refit.SyncConfig(bucket_bytes=64 << 10)).plan()
+    a, b = plan.for_sync(None, "A", 30), plan.for_sync(None, "B", 30)
+    streams = [rank_stream(rank0, a), rank_stream(rank1, b), rank_stream(rank0, b), rank_stream(rank1, a)]
+    a_on_0, b_on_1, b_on_0, a_on_1 = streamed_together(streams)
+    assert one_ran_and_the_other_was_refused({"A": [a_on_0, a_on_1], "B": [b_on_0, b_on_1]}), (a_on_0, a_on_1, b_on_0, b_on_1)
+    report = refit.sync(group, replicas, refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=60))
+    assert len(report.replicas) == 2
+
+
+def test_a_syncer_whose_streams_cross_another_callers_loses_nothing_served_and_syncs_on(replicas, actors_factory, monkeypatch):
+    """The same race through a Syncer: stream X reaches rank 0 before the sync's streams and rank 1 after them. One
+    of the two runs, the other is refused at once; a refused sync leaves its replicas serving what they served."""
+    import threading
+
+    from refit.orchestration.streaming import BucketRelay
+
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=30)
+    syncer = refit.Syncer(group, replicas, refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=30))
+    version = syncer.sync().version
+    rank0, rank1 = group.ranks
+    opened = threading.Event()
+    open_streams = BucketRelay.open
+    monkeypatch.setattr(BucketRelay, "open", lambda relay, *args: (open_streams(relay, *args), opened.set())[0])
+    other = syncer.plan().for_sync(None, "X", 30)
+    x_on_0 = rank_stream(rank0, other)
+    outcome: list[object] = []
+    sync = threading.Thread(target=lambda: outcome.extend(_outcome(syncer.sync)))
+    sync.start()
+    assert opened.wait(60)
+    x_on_1 = rank_stream(rank1, other)
+    x_outcomes = streamed_together([x_on_0, x_on_1])
+    sync.join(120)
+    served = [ray.get(r.status.remote(), timeout=30).served_version for r in replicas]
+    if isinstance(outcome[0], refit.SyncReport):  # the sync took the group first
+        assert all("sync X was refused: this trainer's ranks are streaming sync " in o for o in x_outcomes), x_outcomes
+        assert served == [outcome[0].version] * 2
+    else:
+        assert isinstance(outcome[0], refit.LifecycleError) and "this trainer's ranks are streaming sync X" in str(outcome[0])
+        assert x_outcomes == ["complete", "complete"] and served == [version] * 2
+    assert syncer.sync().version > version  # a failed sync spends its version number
+
+
+def _outcome(call) -> list[object]:
+    try:
+        return [call()]
+    except Exception as error:  # noqa: BLE001 (the test asserts what it was)
+        return [error]
 
 
 def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster, tmp_path):

@@ -1,0 +1,120 @@
+"""A sharded trainer streams one sync at a time: its ranks agree which through their group's store.
+
+Why: ranks meet in collectives inside a stream (the plan's routes, gathered
+tensors: `RankSource`), so every rank must run the syncs' streams in one
+order. One driver submits each sync's rank streams as one set
+(`refit.orchestration.calls.submitting_together`), and Ray runs one caller's
+calls to an actor in the order it submitted them; two callers (two drivers,
+or a driver and a task it started) have no common order. Their calls can
+reach rank 0 as A, B and rank 1 as B, A: rank 0 then runs A's stream and
+rank 1 B's, each waiting for the other in a gather until the group's
+timeout, which breaks the process group for good (training's collectives
+run on it too). A rank runs one call at a time, so it cannot wait for the
+other sync's turn either: the sync that comes second is refused, on every
+rank, before any collective.
+
+How, without a collective: every rank rendezvoused through one key-value
+store, whose compare-and-set is atomic. The first rank to start a sync's
+stream decides for all of them: the sync runs if it could take the group
+(no other sync holds it), else it is refused; the decision is recorded
+under the sync's id, and every other rank of that sync follows it. The last
+rank to end a running sync's stream frees the group.
+
+Why a lease: a rank might never start a sync's stream (its driver was
+interrupted between submitting to the ranks) and the group would be held
+for ever. A holder that is not freed within twice its sync's deadline is
+taken over by the next sync, and its decision revoked first, so a rank that
+starts it only then refuses it rather than run it beside the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from refit.errors import LifecycleError
+from refit.plan.transfer_plan import TransferPlan
+
+__all__ = ["StreamTurn", "take_turn", "turn_in"]
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "refit/stream_turns/"
+_HOLDER = "holder"  # "<sync id> <lease end, unix seconds>", or "" while no sync holds the group
+_RUN = "run"
+_LEASE_DEADLINES = 2  # a turn's lease, in its sync's deadlines
+
+
+class StreamTurn:
+    """One rank's part in a running sync's turn: `end` it when the rank's stream ends, however it ends."""
+
+    def __init__(self, store: torch.distributed.Store, sync_id: str, holder: str, world_size: int) -> None:
+        self._store, self._sync_id, self._holder, self._world_size = store, sync_id, holder, world_size
+
+    def end(self) -> None:
+        """Count this rank out; the last rank of the sync frees the group.
+
+        Never raises: it runs as the stream ends, whatever ended it, and a store that cannot be reached (its
+        host, rank 0, is gone) leaves a group that streams no more anyway; the stream's own error tells why."""
+        try:
+            if self._store.add(f"ended/{self._sync_id}", 1) == self._world_size:
+                self._store.compare_set(_HOLDER, self._holder, "")
+                self._store.delete_key(f"ended/{self._sync_id}")
+        except RuntimeError as error:  # torch.distributed's store errors
+            log.warning("sync %s: this rank could not count its stream's end in the group's store: %s", self._sync_id, error)
+
+
+def take_turn(group: torch.distributed.ProcessGroup | None, plan: TransferPlan, rank: int) -> StreamTurn | None:
+    """This rank's turn to stream `plan`'s sync, or `LifecycleError` (the same on every rank) if another sync's
+    stream holds the group. None where no turn is needed: a group of one, or a plan no sync was handed."""
+    if plan.sync_id is None or not torch.distributed.is_initialized():
+        return None
+    world_size = torch.distributed.get_world_size(group)
+    if world_size == 1:
+        return None
+    return turn_in(_group_store(group), world_size, plan, rank)
+
+
+def turn_in(store: torch.distributed.Store, world_size: int, plan: TransferPlan, rank: int) -> StreamTurn:
+    """`take_turn` through `store`, the key-value store of a group of `world_size` ranks."""
+    store = torch.distributed.PrefixStore(_PREFIX, store)
+    holder, decision = _decide(store, plan.sync_id, plan.timeout_s)
+    if store.add(f"seen/{plan.sync_id}", 1) == world_size:  # every rank has read the decision: it is needed no more
+        store.delete_key(f"decision/{plan.sync_id}")
+        store.delete_key(f"seen/{plan.sync_id}")
+    if decision != _RUN:
+        raise LifecycleError(f"trainer rank {rank}: sync {plan.sync_id} was refused: {decision}")
+    return StreamTurn(store, plan.sync_id, holder, world_size)
+
+
+def _decide(store: torch.distributed.Store, sync_id: str, timeout_s: float) -> tuple[str, str]:
+    """(the holder value while `sync_id` holds the group, the sync's decision: `_RUN` or why it is refused)."""
+    now = time.time()
+    mine = f"{sync_id} {now + _LEASE_DEADLINES * timeout_s:.3f}"
+    holder = store.compare_set(_HOLDER, "", mine).decode()
+    held_by, _, lease_end = holder.partition(" ")
+    if held_by != sync_id and float(lease_end) < now:
+        # The holder outlived its lease: revoke its decision first, so that no rank starts it after this one.
+        store.compare_set(f"decision/{held_by}", _RUN, f"sync {held_by}'s turn lapsed before this rank started it")
+        holder = store.compare_set(_HOLDER, holder, mine).decode()
+        held_by = holder.partition(" ")[0]
+    if held_by == sync_id:
+        proposal = _RUN
+    else:
+        proposal = (f"this trainer's ranks are streaming sync {held_by} (another caller's: a second driver, or a task "
+                    "that syncs the same trainer); a sharded trainer streams one sync at a time, in one order on every "
+                    "rank, so a sync that reaches its ranks while another streams is refused on all of them. Sync again "
+                    "once that one has ended")
+    decision = store.compare_set(f"decision/{sync_id}", "", proposal).decode()  # the first rank's decision stands
+    if decision != _RUN and held_by == sync_id:  # refused by a rank before this one, while another sync held the group
+        store.compare_set(_HOLDER, holder, "")
+    return holder, decision
+
+
+def _group_store(group: torch.distributed.ProcessGroup | None) -> torch.distributed.Store:
+    """The store `group`'s ranks rendezvoused through (torch keeps it beside the group, unexported)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_process_group_store(group or distributed_c10d._get_default_group())

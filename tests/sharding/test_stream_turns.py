@@ -1,0 +1,72 @@
+"""A sharded trainer's ranks stream one sync at a time, agreeing which through a real TCPStore (no processes: each
+rank's calls are played in the order Ray would run them on that rank).
+
+The engine tier's `test_sharded_trainer.py` runs the same race on real ranks.
+"""
+
+import datetime
+import time
+
+import pytest
+import torch.distributed
+
+from refit.errors import LifecycleError
+from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, make_plan
+from refit.sharding.stream_turns import take_turn, turn_in
+
+PLAN = make_plan([TensorMeta("model.norm.weight", (128,), "bfloat16", ("Qwen3RMSNorm",))], RolloutModelInfo(None, False), SyncConfig())
+
+
+@pytest.fixture
+def store():
+    return torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def sync(sync_id: str, timeout_s: float = 60):
+    return PLAN.for_sync(None, sync_id, timeout_s)
+
+
+def refused(store, plan, rank: int) -> str:
+    with pytest.raises(LifecycleError) as error:
+        turn_in(store, 2, plan, rank)
+    return str(error.value)
+
+
+def test_two_syncs_that_reach_the_ranks_in_crossed_orders_run_one_and_refuse_the_other_on_every_rank(store):
+    a, b = sync("A"), sync("B")
+    a_on_0 = turn_in(store, 2, a, 0)  # rank 0 runs A, B; rank 1 got B first
+    message = refused(store, b, 1)
+    assert message.startswith("trainer rank 1: sync B was refused: this trainer's ranks are streaming sync A")
+    a_on_1 = turn_in(store, 2, a, 1)
+    a_on_0.end()
+    a_on_1.end()
+    assert "streaming sync A" in refused(store, b, 0)  # A has ended, but rank 1 refused B: so does rank 0
+    for rank in (0, 1):  # the group is free again, and no key of A or B is left behind
+        turn_in(store, 2, sync("C"), rank).end()
+    prefixed = torch.distributed.PrefixStore("refit/stream_turns/", store)
+    assert not prefixed.check([f"{kind}/{s}" for kind in ("decision", "seen", "ended") for s in "ABC"])
+
+
+def test_a_sync_that_reaches_its_ranks_while_another_streams_is_refused_even_by_a_rank_that_sees_it_first(store):
+    a = turn_in(store, 2, sync("A"), 0)
+    assert "streaming sync A" in refused(store, sync("B"), 0)
+    a.end()
+    turn_in(store, 2, sync("A"), 1).end()
+    assert "streaming sync A" in refused(store, sync("B"), 1)  # decided by rank 0 while A streamed
+
+
+def test_a_turn_that_some_rank_never_started_lapses_after_twice_its_deadline_and_that_rank_then_refuses_it(store):
+    turn_in(store, 2, sync("A", timeout_s=0.1), 0).end()  # rank 1 never got A's stream (its driver was interrupted)
+    assert "streaming sync A" in refused(store, sync("B"), 0)
+    time.sleep(0.25)
+    c = [turn_in(store, 2, sync("C"), rank) for rank in (0, 1)]
+    assert "sync A's turn lapsed before this rank started it" in refused(store, sync("A", timeout_s=0.1), 1)
+    for turn in c:
+        turn.end()
+    turn_in(store, 2, sync("D"), 0).end()
+
+
+def test_no_turn_is_taken_for_a_plan_no_sync_was_handed_or_outside_a_process_group():
+    assert not torch.distributed.is_initialized()
+    assert take_turn(None, sync("A"), 0) is None
+    assert take_turn(None, PLAN, 0) is None
