@@ -14,6 +14,7 @@ megatron-core's parallel layers (`refit.sharding.megatron.MegatronLayout`).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 
 import torch
@@ -48,6 +49,7 @@ class RankSource:
         self.gathered_bytes = 0  # bytes this rank received from all-gathers in the last stream
         self.sent: dict[str, int] = {}  # in the last stream: tensors sent per route, "quantized_rows", "bytes"
         self._routes: tuple[tuple, dict[str, TensorRoute]] | None = None
+        self._ended_syncs: collections.deque[str] = collections.deque(maxlen=16)  # the latest syncs streamed here
 
     def metadata(self):
         return self.layout.metadata()
@@ -67,12 +69,15 @@ class RankSource:
 
         Refused on every rank, before any collective, while another caller's sync streams from the group
         (`refit.sharding.stream_turns`)."""
-        turn = take_turn(self.group, plan, self.rank)
+        turn = None
         try:
+            turn = take_turn(self.group, plan, self.rank, self._ended_syncs)
             yield from self._parts(plan)
         finally:
             if turn is not None:
                 turn.end()
+            if plan.sync_id is not None:
+                self._ended_syncs.append(plan.sync_id)
 
     def _parts(self, plan: TransferPlan) -> Iterator[WireBucket]:
         routes = self.routes(plan)

@@ -20,6 +20,13 @@ stream decides for all of them: the sync runs if it could take the group
 under the sync's id, and every other rank of that sync follows it. The last
 rank to end a running sync's stream frees the group.
 
+Why a rank waits for a holder it has itself ended: one caller's next sync
+(after an interrupted one, say) reaches a rank that is done with the last
+sync while another rank still ends it. The sync is queued behind that one
+on every rank, so no order crossed; refusing it would fail a sync for
+nothing. A holder this rank has not ended may be queued behind this sync
+here (the crossed case), so there the rank decides at once.
+
 Why a lease: a rank might never start a sync's stream (its driver was
 interrupted between submitting to the ranks) and the group would be held
 for ever. A holder that is not freed within twice its sync's deadline is
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -45,6 +53,7 @@ _PREFIX = "refit/stream_turns/"
 _HOLDER = "holder"  # "<sync id> <lease end, unix seconds>", or "" while no sync holds the group
 _RUN = "run"
 _LEASE_DEADLINES = 2  # a turn's lease, in its sync's deadlines
+_POLL_S = 0.005  # while the other ranks end a sync this rank has ended
 
 
 class StreamTurn:
@@ -66,21 +75,26 @@ class StreamTurn:
             log.warning("sync %s: this rank could not count its stream's end in the group's store: %s", self._sync_id, error)
 
 
-def take_turn(group: torch.distributed.ProcessGroup | None, plan: TransferPlan, rank: int) -> StreamTurn | None:
+def take_turn(group: torch.distributed.ProcessGroup | None, plan: TransferPlan, rank: int,
+              ended_here: Collection[str] = ()) -> StreamTurn | None:
     """This rank's turn to stream `plan`'s sync, or `LifecycleError` (the same on every rank) if another sync's
-    stream holds the group. None where no turn is needed: a group of one, or a plan no sync was handed."""
+    stream holds the group. None where no turn is needed: a group of one, or a plan no sync was handed.
+
+    `ended_here`: the syncs whose streams this rank has ended (the latest ones): a holder among them is waited
+    for, within its lease (the module docstring)."""
     if plan.sync_id is None or not torch.distributed.is_initialized():
         return None
     world_size = torch.distributed.get_world_size(group)
     if world_size == 1:
         return None
-    return turn_in(_group_store(group), world_size, plan, rank)
+    return turn_in(_group_store(group), world_size, plan, rank, ended_here)
 
 
-def turn_in(store: torch.distributed.Store, world_size: int, plan: TransferPlan, rank: int) -> StreamTurn:
+def turn_in(store: torch.distributed.Store, world_size: int, plan: TransferPlan, rank: int,
+            ended_here: Collection[str] = ()) -> StreamTurn:
     """`take_turn` through `store`, the key-value store of a group of `world_size` ranks."""
     store = torch.distributed.PrefixStore(_PREFIX, store)
-    holder, decision = _decide(store, plan.sync_id, plan.timeout_s)
+    holder, decision = _decide(store, plan.sync_id, plan.timeout_s, ended_here)
     if store.add(f"seen/{plan.sync_id}", 1) == world_size:  # every rank has read the decision: it is needed no more
         store.delete_key(f"decision/{plan.sync_id}")
         store.delete_key(f"seen/{plan.sync_id}")
@@ -89,17 +103,24 @@ def turn_in(store: torch.distributed.Store, world_size: int, plan: TransferPlan,
     return StreamTurn(store, plan.sync_id, holder, world_size)
 
 
-def _decide(store: torch.distributed.Store, sync_id: str, timeout_s: float) -> tuple[str, str]:
+def _decide(store: torch.distributed.Store, sync_id: str, timeout_s: float, ended_here: Collection[str]) -> tuple[str, str]:
     """(the holder value while `sync_id` holds the group, the sync's decision: `_RUN` or why it is refused)."""
-    now = time.time()
-    mine = f"{sync_id} {now + _LEASE_DEADLINES * timeout_s:.3f}"
-    holder = store.compare_set(_HOLDER, "", mine).decode()
-    held_by, _, lease_end = holder.partition(" ")
-    if held_by != sync_id and float(lease_end) < now:
-        # The holder outlived its lease: revoke its decision first, so that no rank starts it after this one.
-        store.compare_set(f"decision/{held_by}", _RUN, f"sync {held_by}'s turn lapsed before this rank started it")
-        holder = store.compare_set(_HOLDER, holder, mine).decode()
-        held_by = holder.partition(" ")[0]
+    while True:
+        now = time.time()
+        mine = f"{sync_id} {now + _LEASE_DEADLINES * timeout_s:.3f}"
+        holder = store.compare_set(_HOLDER, "", mine).decode()
+        held_by, _, lease_end = holder.partition(" ")
+        if held_by == sync_id:
+            break
+        if float(lease_end) < now:
+            # The holder outlived its lease: revoke its decision first, so that no rank starts it after this one.
+            store.compare_set(f"decision/{held_by}", _RUN, f"sync {held_by}'s turn lapsed before this rank started it")
+            holder = store.compare_set(_HOLDER, holder, mine).decode()
+            held_by = holder.partition(" ")[0]
+            break
+        if held_by not in ended_here or store.check([f"decision/{sync_id}"]):
+            break  # the holder may be queued behind this sync here, or another rank has decided this one
+        time.sleep(_POLL_S)
     if held_by == sync_id:
         proposal = _RUN
     else:

@@ -5,6 +5,7 @@ The engine tier's `test_sharded_trainer.py` runs the same race on real ranks.
 """
 
 import datetime
+import threading
 import time
 
 import pytest
@@ -53,6 +54,23 @@ def test_a_sync_that_reaches_its_ranks_while_another_streams_is_refused_even_by_
     a.end()
     turn_in(store, 2, sync("A"), 1).end()
     assert "streaming sync A" in refused(store, sync("B"), 1)  # decided by rank 0 while A streamed
+
+
+def test_a_sync_queued_behind_one_that_another_rank_still_ends_waits_for_it_instead_of_being_refused(store):
+    """One caller's next sync (after an interrupted one) reaches rank 0, done with the last sync, while rank 1 still
+    ends it: no order crossed, so rank 0 waits for the group rather than refuse."""
+    a = [turn_in(store, 2, sync("A"), rank) for rank in (0, 1)]
+    a[0].end()
+    taken: list = []
+    waiting = threading.Thread(target=lambda: taken.append(turn_in(store, 2, sync("B"), 0, ended_here=["A"])))
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive() and not taken
+    a[1].end()
+    waiting.join(10)
+    turn_in(store, 2, sync("B"), 1, ended_here=["A"]).end()
+    taken[0].end()
+    turn_in(store, 2, sync("C"), 0).end()
 
 
 def test_a_turn_that_some_rank_never_started_lapses_after_twice_its_deadline_and_that_rank_then_refuses_it(store):
