@@ -165,6 +165,26 @@ def test_two_syncs_whose_streams_reach_the_ranks_in_crossed_orders_run_one_and_r
     assert len(report.replicas) == 2
 
 
+def test_the_next_sync_waits_for_a_rank_still_ending_the_last_one_instead_of_being_refused(replicas, actors_factory):
+    """One caller's syncs reach every rank in one order, but a rank may still be ending sync A (an interrupted one's
+    stream, cancelled) when another rank, done with A, starts B: B waits for A's end there (it was refused at once)."""
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=30)
+    rank0, rank1 = group.ranks
+    plan = refit.Syncer(group, replicas[0], refit.SyncConfig(bucket_bytes=256 << 10)).plan()
+    a, b = plan.for_sync(None, "A", 30), plan.for_sync(None, "B", 30)
+    a_on_0, a_on_1 = rank_stream(rank0, a), rank_stream(rank1, a)
+    for index in range(len(plan.buckets)):
+        ray.get(next(a_on_0), timeout=60)
+        if index < len(plan.buckets) - 1:  # rank 1 stays in A, its last part not taken
+            ray.get(next(a_on_1), timeout=60)
+    with pytest.raises(StopIteration):
+        next(a_on_0)  # rank 0 has ended A
+    b_on_0, b_on_1 = rank_stream(rank0, b), rank_stream(rank1, b)
+    assert not ray.wait([b_on_0], timeout=1)[0]  # B waits on rank 0...
+    assert streamed_together([a_on_1]) == ["complete"]  # ...until rank 1 ends A
+    assert streamed_together([b_on_0, b_on_1]) == ["complete", "complete"]
+
+
 def test_a_syncer_whose_streams_cross_another_callers_loses_nothing_served_and_syncs_on(replicas, actors_factory, monkeypatch):
     """The same race through a Syncer: stream X reaches rank 0 before the sync's streams and rank 1 after them. One
     of the two runs, the other is refused at once; a refused sync leaves its replicas serving what they served."""
