@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refit.errors import ActorDiedError, PlanMismatchError, SyncTimeoutError
+from refit.errors import ActorDiedError, PlanMismatchError, RefitError, SyncTimeoutError
 from refit.transport.buckets import WireBucket
 
 __all__ = ["fetch_parts", "remote_error"]
@@ -45,10 +45,16 @@ def _fetch_part(ref: Any, who: str, remaining_s: float, timeout_s: float) -> Wir
 
 
 def remote_error(error: Exception, who: str, method: str) -> Exception:
-    """What a failed `ray.get` of `who`'s `method` means: the remote exception itself, or that `who` is gone."""
+    """What a failed `ray.get` of `who`'s `method` means: the remote exception itself, or that `who` is gone.
+
+    One of refit's own errors comes back as it was raised: its message says what went wrong and where, and Ray's
+    wrapper would put the remote traceback in front of it. Any other exception keeps the wrapper, whose traceback
+    shows where in the remote code it arose."""
     import ray
 
     if isinstance(error, ray.exceptions.RayTaskError):
+        if isinstance(error.cause, RefitError):
+            return error.cause
         cause = error.as_instanceof_cause()
         if method == "stream_buckets" and isinstance(error.cause, AttributeError) and "attribute 'send'" in str(error.cause):
             cause.add_note(f"{who}'s stream_buckets did `yield from` an iterator that is not a generator (a list's, say): "
