@@ -30,8 +30,11 @@ here (the crossed case), so there the rank decides at once.
 Why a lease: a rank might never start a sync's stream (its driver was
 interrupted between submitting to the ranks) and the group would be held
 for ever. A holder that is not freed within twice its sync's deadline is
-taken over by the next sync, and its decision revoked first, so a rank that
-starts it only then refuses it rather than run it beside the next one.
+taken over by the next sync, and its decision revoked first; a rank that
+starts a sync only after its lease lapsed refuses it, whether or not
+another sync took over yet, rather than run it beside the next one. Ranks
+compare leases with their own clocks, so hosts' clocks must agree to well
+within a lease (minutes), as NTP keeps them.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ __all__ = ["StreamTurn", "take_turn", "turn_in"]
 log = logging.getLogger(__name__)
 
 _PREFIX = "refit/stream_turns/"
-_HOLDER = "holder"  # "<sync id> <lease end, unix seconds>", or "" while no sync holds the group
+_HOLDER = "holder"  # the id of the sync whose stream holds the group, or "" while none does
 _RUN = "run"
 _LEASE_DEADLINES = 2  # a turn's lease, in its sync's deadlines
 _POLL_S = 0.005  # while the other ranks end a sync this rank has ended
@@ -59,8 +62,8 @@ _POLL_S = 0.005  # while the other ranks end a sync this rank has ended
 class StreamTurn:
     """One rank's part in a running sync's turn: `end` it when the rank's stream ends, however it ends."""
 
-    def __init__(self, store: torch.distributed.Store, sync_id: str, holder: str, world_size: int) -> None:
-        self._store, self._sync_id, self._holder, self._world_size = store, sync_id, holder, world_size
+    def __init__(self, store: torch.distributed.Store, sync_id: str, world_size: int) -> None:
+        self._store, self._sync_id, self._world_size = store, sync_id, world_size
 
     def end(self) -> None:
         """Count this rank out; the last rank of the sync frees the group.
@@ -69,7 +72,7 @@ class StreamTurn:
         host, rank 0, is gone) leaves a group that streams no more anyway; the stream's own error tells why."""
         try:
             if self._store.add(f"ended/{self._sync_id}", 1) == self._world_size:
-                self._store.compare_set(_HOLDER, self._holder, "")
+                _free(self._store, self._sync_id)
                 self._store.delete_key(f"ended/{self._sync_id}")
         except RuntimeError as error:  # torch.distributed's store errors
             log.warning("sync %s: this rank could not count its stream's end in the group's store: %s", self._sync_id, error)
@@ -94,44 +97,61 @@ def turn_in(store: torch.distributed.Store, world_size: int, plan: TransferPlan,
             ended_here: Collection[str] = ()) -> StreamTurn:
     """`take_turn` through `store`, the key-value store of a group of `world_size` ranks."""
     store = torch.distributed.PrefixStore(_PREFIX, store)
-    holder, decision = _decide(store, plan.sync_id, plan.timeout_s, ended_here)
+    decision = _decide(store, plan.sync_id, plan.timeout_s, ended_here)
     if store.add(f"seen/{plan.sync_id}", 1) == world_size:  # every rank has read the decision: it is needed no more
         store.delete_key(f"decision/{plan.sync_id}")
         store.delete_key(f"seen/{plan.sync_id}")
     if decision != _RUN:
         raise LifecycleError(f"trainer rank {rank}: sync {plan.sync_id} was refused: {decision}")
-    return StreamTurn(store, plan.sync_id, holder, world_size)
+    return StreamTurn(store, plan.sync_id, world_size)
 
 
-def _decide(store: torch.distributed.Store, sync_id: str, timeout_s: float, ended_here: Collection[str]) -> tuple[str, str]:
-    """(the holder value while `sync_id` holds the group, the sync's decision: `_RUN` or why it is refused)."""
+def _decide(store: torch.distributed.Store, sync_id: str, timeout_s: float, ended_here: Collection[str]) -> str:
+    """The sync's decision, `_RUN` or why it is refused: the first rank's, which every rank of the sync follows."""
     while True:
         now = time.time()
-        mine = f"{sync_id} {now + _LEASE_DEADLINES * timeout_s:.3f}"
-        holder = store.compare_set(_HOLDER, "", mine).decode()
-        held_by, _, lease_end = holder.partition(" ")
-        if held_by == sync_id:
+        holder = store.compare_set(_HOLDER, "", sync_id).decode()
+        if holder == sync_id:
+            # Held for this sync (by this rank's claim, or another rank's): its lease runs from the first claim.
+            lease_end = float(store.compare_set(f"lease/{sync_id}", "", f"{now + _LEASE_DEADLINES * timeout_s:.3f}"))
+            proposal = _RUN if lease_end >= now else _lapsed(sync_id)
+            if proposal != _RUN:  # a rank this late could run it beside the sync that takes the group over
+                store.compare_set(f"decision/{sync_id}", _RUN, proposal)
             break
-        if float(lease_end) < now:
+        if _lease_end(store, holder) < now:
             # The holder outlived its lease: revoke its decision first, so that no rank starts it after this one.
-            store.compare_set(f"decision/{held_by}", _RUN, f"sync {held_by}'s turn lapsed before this rank started it")
-            holder = store.compare_set(_HOLDER, holder, mine).decode()
-            held_by = holder.partition(" ")[0]
+            store.compare_set(f"decision/{holder}", _RUN, _lapsed(holder))
+            if store.compare_set(_HOLDER, holder, sync_id).decode() == sync_id:
+                store.delete_key(f"lease/{holder}")
+            continue  # taken over, or changed meanwhile: look again
+        if holder not in ended_here or store.check([f"decision/{sync_id}"]):
+            # The holder may be queued behind this sync here (orders crossed), or another rank decided this sync.
+            proposal = (f"this trainer's ranks are streaming sync {holder} (another caller's: a second driver, or a "
+                        "task that syncs the same trainer); a sharded trainer streams one sync at a time, in one order on "
+                        "every rank, so a sync that reaches its ranks while another streams is refused on all of them. "
+                        "Sync again once that one has ended")
             break
-        if held_by not in ended_here or store.check([f"decision/{sync_id}"]):
-            break  # the holder may be queued behind this sync here, or another rank has decided this one
-        time.sleep(_POLL_S)
-    if held_by == sync_id:
-        proposal = _RUN
-    else:
-        proposal = (f"this trainer's ranks are streaming sync {held_by} (another caller's: a second driver, or a task "
-                    "that syncs the same trainer); a sharded trainer streams one sync at a time, in one order on every "
-                    "rank, so a sync that reaches its ranks while another streams is refused on all of them. Sync again "
-                    "once that one has ended")
+        time.sleep(_POLL_S)  # this rank ended the holder; its other ranks are ending it, and this sync comes next
     decision = store.compare_set(f"decision/{sync_id}", "", proposal).decode()  # the first rank's decision stands
-    if decision != _RUN and held_by == sync_id:  # refused by a rank before this one, while another sync held the group
-        store.compare_set(_HOLDER, holder, "")
-    return holder, decision
+    if decision != _RUN:
+        _free(store, sync_id)  # if this sync holds the group (claimed by a rank before the refusal was known)
+    return decision
+
+
+def _lapsed(sync_id: str) -> str:
+    return f"sync {sync_id}'s turn lapsed before this rank started it"
+
+
+def _lease_end(store: torch.distributed.Store, sync_id: str) -> float:
+    """When `sync_id`'s hold on the group lapses; not yet, while its claimer has yet to write the lease."""
+    key = f"lease/{sync_id}"
+    return float(store.get(key)) if store.check([key]) else float("inf")
+
+
+def _free(store: torch.distributed.Store, sync_id: str) -> None:
+    """The group is no longer held by `sync_id` (nothing changes if another sync holds it)."""
+    if store.compare_set(_HOLDER, sync_id, "").decode() == "":
+        store.delete_key(f"lease/{sync_id}")
 
 
 def _group_store(group: torch.distributed.ProcessGroup | None) -> torch.distributed.Store:

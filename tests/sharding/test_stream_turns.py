@@ -84,6 +84,76 @@ def test_a_turn_that_some_rank_never_started_lapses_after_twice_its_deadline_and
     turn_in(store, 2, sync("D"), 0).end()
 
 
+def test_a_rank_that_starts_a_sync_after_its_lease_lapsed_refuses_it_even_before_another_sync_takes_over(store):
+    turn_in(store, 2, sync("A", timeout_s=0.1), 0).end()
+    time.sleep(0.25)
+    assert "sync A's turn lapsed before this rank started it" in refused(store, sync("A", timeout_s=0.1), 1)
+    turns = [turn_in(store, 2, sync("C"), rank) for rank in (0, 1)]  # A no longer holds the group
+    for turn in turns:
+        turn.end()
+
+
+class Interleaved:
+    """The group's store as `turn_in` sees it, running `then()` once, around the `nth` compare-and-set of the
+    holder key: the other rank's step that lands between two of this rank's."""
+
+    def __init__(self, store, nth: int, then, after: bool) -> None:
+        self.store, self.nth, self.then, self.after, self.calls = store, nth, then, after, 0
+
+    def compare_set(self, key, expected, desired):
+        self.calls += key == "holder"
+        fire = key == "holder" and self.calls == self.nth and self.then is not None
+        then, self.then = (self.then, None) if fire else (None, self.then)
+        if then and not self.after:
+            then()
+        value = self.store.compare_set(key, expected, desired)
+        if then and self.after:
+            then()
+        return value
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def interleaved(monkeypatch, nth: int, then, *, after: bool) -> None:
+    """The next `turn_in`'s store runs `then()` around its `nth` compare-and-set of the holder key."""
+    prefix_store = torch.distributed.PrefixStore
+
+    def prefixed(prefix, inner):
+        monkeypatch.setattr(torch.distributed, "PrefixStore", prefix_store)  # the next turn_in only
+        return Interleaved(prefix_store(prefix, inner), nth, then, after)
+
+    monkeypatch.setattr(torch.distributed, "PrefixStore", prefixed)
+
+
+def test_a_rank_that_follows_another_ranks_decision_frees_the_group_with_it(store, monkeypatch):
+    """Regression: rank 0 read the last sync A as holder, rank 1 then freed A and took the group for S; rank 0
+    followed S's decision but kept A as the holder to free, so the group stayed held after both ranks ended S."""
+    a = [turn_in(store, 2, sync("A"), rank) for rank in (0, 1)]
+    a[0].end()
+    s_on_1: list = []
+    interleaved(monkeypatch, 1, lambda: (a[1].end(), s_on_1.append(turn_in(store, 2, sync("S"), 1, ended_here=["A"]))),
+                after=True)
+    s_on_0 = turn_in(store, 2, sync("S"), 0, ended_here=["A"])
+    s_on_1[0].end()
+    s_on_0.end()  # the last to end S frees the group
+    turns = [turn_in(store, 2, sync("T"), rank) for rank in (0, 1)]  # the group is free: not refused, no waiting
+    for turn in turns:
+        turn.end()
+
+
+def test_a_takeover_that_meets_a_holder_freed_meanwhile_takes_the_group_instead_of_refusing(store, monkeypatch):
+    """Regression: A lapsed while rank 1 still ended it; rank 0's takeover found the group freed by then and refused
+    S, naming no sync."""
+    a = [turn_in(store, 2, sync("A", timeout_s=0.1), rank) for rank in (0, 1)]
+    a[0].end()
+    time.sleep(0.25)
+    interleaved(monkeypatch, 2, a[1].end, after=False)  # between rank 0's read of the lapsed A and its takeover
+    s_on_0 = turn_in(store, 2, sync("S"), 0, ended_here=["A"])
+    turn_in(store, 2, sync("S"), 1, ended_here=["A"]).end()
+    s_on_0.end()
+
+
 def test_no_turn_is_taken_for_a_plan_no_sync_was_handed_or_outside_a_process_group():
     assert not torch.distributed.is_initialized()
     assert take_turn(None, sync("A"), 0) is None
