@@ -57,6 +57,7 @@ _HOLDER = "holder"  # the id of the sync whose stream holds the group, or "" whi
 _RUN = "run"
 _LEASE_DEADLINES = 2  # a turn's lease, in its sync's deadlines
 _POLL_S = 0.005  # while the other ranks end a sync this rank has ended
+_NO_LEASE = "none"  # what reading a lease that is not written answers
 
 
 class StreamTurn:
@@ -143,9 +144,12 @@ def _lapsed(sync_id: str) -> str:
 
 
 def _lease_end(store: torch.distributed.Store, sync_id: str) -> float:
-    """When `sync_id`'s hold on the group lapses; not yet, while its claimer has yet to write the lease."""
-    key = f"lease/{sync_id}"
-    return float(store.get(key)) if store.check([key]) else float("inf")
+    """When `sync_id`'s hold on the group lapses; not yet, while its claimer has yet to write the lease.
+
+    Read with one compare-and-set that never writes (a missing key answers with the expected value): a `get`
+    after a `check` would wait out the store's timeout for a lease freed in between."""
+    value = store.compare_set(f"lease/{sync_id}", _NO_LEASE, _NO_LEASE)
+    return float("inf") if value == _NO_LEASE.encode() else float(value)
 
 
 def _free(store: torch.distributed.Store, sync_id: str) -> None:

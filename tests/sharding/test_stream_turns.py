@@ -94,34 +94,36 @@ def test_a_rank_that_starts_a_sync_after_its_lease_lapsed_refuses_it_even_before
 
 
 class Interleaved:
-    """The group's store as `turn_in` sees it, running `then()` once, around the `nth` compare-and-set of the
-    holder key: the other rank's step that lands between two of this rank's."""
+    """The group's store as `turn_in` sees it, running `then()` once, around this rank's `nth` call of `op` on a key
+    holding `key`: the other rank's step that lands between two of this rank's."""
 
-    def __init__(self, store, nth: int, then, after: bool) -> None:
-        self.store, self.nth, self.then, self.after, self.calls = store, nth, then, after, 0
-
-    def compare_set(self, key, expected, desired):
-        self.calls += key == "holder"
-        fire = key == "holder" and self.calls == self.nth and self.then is not None
-        then, self.then = (self.then, None) if fire else (None, self.then)
-        if then and not self.after:
-            then()
-        value = self.store.compare_set(key, expected, desired)
-        if then and self.after:
-            then()
-        return value
+    def __init__(self, store, op: str, key: str, nth: int, then, after: bool) -> None:
+        self.store, self.op, self.key, self.nth, self.then, self.after, self.calls = store, op, key, nth, then, after, 0
 
     def __getattr__(self, name):
-        return getattr(self.store, name)
+        method = getattr(self.store, name)
+
+        def call(*args):
+            hit = name == self.op and self.key in str(args[0])
+            self.calls += hit
+            then, self.then = (self.then, None) if hit and self.calls == self.nth else (None, self.then)
+            if then and not self.after:
+                then()
+            value = method(*args)
+            if then and self.after:
+                then()
+            return value
+
+        return call
 
 
-def interleaved(monkeypatch, nth: int, then, *, after: bool) -> None:
-    """The next `turn_in`'s store runs `then()` around its `nth` compare-and-set of the holder key."""
+def interleaved(monkeypatch, op: str, key: str, nth: int, then, *, after: bool) -> None:
+    """The next `turn_in`'s store runs `then()` around its `nth` call of `op` on a key holding `key`."""
     prefix_store = torch.distributed.PrefixStore
 
     def prefixed(prefix, inner):
         monkeypatch.setattr(torch.distributed, "PrefixStore", prefix_store)  # the next turn_in only
-        return Interleaved(prefix_store(prefix, inner), nth, then, after)
+        return Interleaved(prefix_store(prefix, inner), op, key, nth, then, after)
 
     monkeypatch.setattr(torch.distributed, "PrefixStore", prefixed)
 
@@ -132,8 +134,8 @@ def test_a_rank_that_follows_another_ranks_decision_frees_the_group_with_it(stor
     a = [turn_in(store, 2, sync("A"), rank) for rank in (0, 1)]
     a[0].end()
     s_on_1: list = []
-    interleaved(monkeypatch, 1, lambda: (a[1].end(), s_on_1.append(turn_in(store, 2, sync("S"), 1, ended_here=["A"]))),
-                after=True)
+    interleaved(monkeypatch, "compare_set", "holder", 1,
+                lambda: (a[1].end(), s_on_1.append(turn_in(store, 2, sync("S"), 1, ended_here=["A"]))), after=True)
     s_on_0 = turn_in(store, 2, sync("S"), 0, ended_here=["A"])
     s_on_1[0].end()
     s_on_0.end()  # the last to end S frees the group
@@ -148,10 +150,24 @@ def test_a_takeover_that_meets_a_holder_freed_meanwhile_takes_the_group_instead_
     a = [turn_in(store, 2, sync("A", timeout_s=0.1), rank) for rank in (0, 1)]
     a[0].end()
     time.sleep(0.25)
-    interleaved(monkeypatch, 2, a[1].end, after=False)  # between rank 0's read of the lapsed A and its takeover
+    interleaved(monkeypatch, "compare_set", "holder", 2, a[1].end, after=False)  # between reading the lapsed A and taking over
     s_on_0 = turn_in(store, 2, sync("S"), 0, ended_here=["A"])
     turn_in(store, 2, sync("S"), 1, ended_here=["A"]).end()
     s_on_0.end()
+
+
+def test_a_lease_freed_while_a_waiting_rank_reads_it_neither_blocks_nor_fails_that_rank(store, monkeypatch):
+    """Regression: rank 0, waiting for A's end, checked A's lease was there, rank 1 then ended A (freeing its
+    lease), and rank 0's read of it waited out the store's timeout, then failed with a store error."""
+    a = [turn_in(store, 2, sync("A"), rank) for rank in (0, 1)]
+    a[0].end()
+    interleaved(monkeypatch, "check", "lease/A", 1, a[1].end, after=True)
+    interleaved(monkeypatch, "compare_set", "lease/A", 1, a[1].end, after=True)  # whichever way it is read
+    start = time.monotonic()
+    turns = [turn_in(store, 2, sync("S"), 0, ended_here=["A"]), turn_in(store, 2, sync("S"), 1, ended_here=["A"])]
+    assert time.monotonic() - start < 5
+    for turn in turns:
+        turn.end()
 
 
 def test_no_turn_is_taken_for_a_plan_no_sync_was_handed_or_outside_a_process_group():
