@@ -56,7 +56,8 @@ class PlanMismatchError(RefitError, ValueError):
 
 
 class LifecycleError(RefitError, RuntimeError):
-    """An update lifecycle step was called out of order, or the replica is busy with another sync."""
+    """An update lifecycle step was called out of order, or the replica (or a sharded trainer's ranks) is busy with
+    another sync."""
 
 
 class ReplicaRefusingError(LifecycleError):
