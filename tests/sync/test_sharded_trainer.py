@@ -141,7 +141,7 @@ def test_two_syncers_on_one_group_syncing_at_once_both_complete(replicas, actors
 def one_ran_and_the_other_was_refused(outcomes: dict[str, list[str]]) -> bool:
     """Of two syncs' streams (by sync id, each rank's outcome), one completed on every rank and the other was
     refused on every rank, naming the one that ran."""
-    (first, first_outcomes), (second, second_outcomes) = outcomes.items()
+    first, second = outcomes
     for ran, refused in ((first, second), (second, first)):
         if outcomes[ran] == ["complete", "complete"] and all(
                 f"sync {refused} was refused: this trainer's ranks are streaming sync {ran}" in o for o in outcomes[refused]):
