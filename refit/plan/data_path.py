@@ -168,13 +168,20 @@ def _check_shapes_and_scales(bucket: int, tensors: list[tuple[str, torch.Tensor]
     scale would dequantize every weight of its block to garbage, silently)."""
     problems = [f"{name}: {tuple(value.shape)} arrived, the plan has {expected[name][1]}"
                 for name, value in tensors if tuple(value.shape) != expected[name][1]]
-    for name, value in tensors:
-        if expected[name][2] and tuple(value.shape) == expected[name][1]:
-            values = value.float()
-            if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
-                problems.append(f"{name}: FP8 weight scale holds zero, negative or non-finite values (min {float(values.min()):.4g})")
+    scales = [(name, value) for name, value in tensors if expected[name][2] and tuple(value.shape) == expected[name][1]]
+    # One pass over all of the bucket's scales (a MoE bucket holds hundreds); each is named only if the pass fails.
+    if scales and not _all_finite_and_positive(torch.cat([value.reshape(-1) for _, value in scales])):
+        for name, value in scales:
+            if not _all_finite_and_positive(value):
+                problems.append(f"{name}: FP8 weight scale holds zero, negative or non-finite values "
+                                f"(min {float(value.float().min()):.4g})")
     if problems:
         raise InvalidTensorError(f"refusing bucket {bucket}; nothing of it was loaded:\n  " + "\n  ".join(problems))
+
+
+def _all_finite_and_positive(values: torch.Tensor) -> bool:
+    values = values.float()
+    return bool(torch.isfinite(values).all()) and bool((values > 0).all())
 
 
 def _assemble(rows: list[tuple[WireTensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

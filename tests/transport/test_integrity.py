@@ -77,6 +77,20 @@ def test_a_weight_scale_that_is_not_finite_and_positive_is_refused_with_a_valid_
         loadable_tensors(PLAN, bucket(tensors=[q, (f"{NAME}_scale", scale)]), verify=False)
 
 
+def test_a_bucket_of_many_scales_names_exactly_those_that_are_not_finite_and_positive():
+    """The bucket's scales are checked in one pass; the refusal still names each bad one, and only those."""
+    names = [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(6)]
+    plan = TransferPlan((tuple(PlannedTensor(n, n, (256, 384), "bfloat16", (128, 128)) for n in names),), QuantizeOn.TRAINER, KEY)
+    tensors = [pair for n in names for pair in loadable_form(n, torch.randn(256, 384, dtype=torch.bfloat16), (128, 128))]
+    assert len(loadable_tensors(plan, pack_bucket(0, tensors, key=KEY))) == 12
+    bad = {f"{names[1]}_scale": 0.0, f"{names[4]}_scale": float("nan")}
+    tensors = [(n, t.clone().fill_(bad[n]) if n in bad else t) for n, t in tensors]
+    with pytest.raises(InvalidTensorError) as refused:
+        loadable_tensors(plan, pack_bucket(0, tensors, key=KEY), verify=False)
+    named = [line.split(":")[0].strip() for line in str(refused.value).splitlines()[1:]]
+    assert named == list(bad)
+
+
 def test_unplanned_names_wrong_dtypes_and_shapes_are_refused_before_any_base_sees_them():
     q, scale = loadable_form(NAME, WEIGHT, (128, 128))
     cases = [
