@@ -165,8 +165,11 @@ class FullWeightSource(WeightSource, Protocol):
         ...
 
     @optional()
-    def leave_transport(self) -> None:
-        """Leave the collective group, if in one (`TransportSender.leave`)."""
+    def leave_transport(self, group_id: str | None = None) -> None:
+        """Leave collective group `group_id` if in it, or with None whichever group it is in (`TransportSender.leave`).
+
+        The driver names the group it formed: a failed sync's clean-up must not take this source out of a group that
+        another Syncer formed since, whose sync may be streaming. A source without the parameter leaves any group."""
         ...
 
     @optional()
@@ -325,8 +328,11 @@ class FullRolloutReplica(RolloutReplica, Protocol):
         ...
 
     @optional("update")
-    def leave_transport(self) -> None:
-        """Every worker leaves its collective group, if in one."""
+    def leave_transport(self, group_id: str | None = None) -> None:
+        """Every worker leaves collective group `group_id` if in it, or with None whichever group it is in.
+
+        The driver names the group it formed: a failed sync's clean-up must not take the workers out of a group that
+        another Syncer formed since, whose sync may be streaming. A replica without the parameter leaves any group."""
         ...
 
     @optional("serve")

@@ -68,8 +68,8 @@ class TrainerWeights:
     def join_transport(self, rendezvous: Rendezvous, rank: int) -> None:
         self.sender.join(rendezvous, rank)
 
-    def leave_transport(self) -> None:
-        self.sender.leave()
+    def leave_transport(self, group_id: str | None = None) -> None:
+        self.sender.leave(group_id)
 
     def transport_group(self) -> str | None:
         return self.sender.group_id()

@@ -150,8 +150,8 @@ class AsyncReplica:
     async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
         await self._step(self.core.join_transport, rendezvous, member_offset, sync_id)
 
-    async def leave_transport(self) -> None:
-        await self._step(self.core.leave_transport)
+    async def leave_transport(self, group_id: str | None = None) -> None:
+        await self._step(self.core.leave_transport, group_id)
 
     async def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
         return await self._step(self.core.begin_update, plan, sync_id, config)

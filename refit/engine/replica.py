@@ -222,8 +222,10 @@ class ReplicaCore:
             self.workers.join_group(rendezvous, member_offset)
             self._group_id = rendezvous.group_id
 
-    def leave_transport(self) -> None:
+    def leave_transport(self, group_id: str | None = None) -> None:
         with self._lock:
+            if group_id is not None and self._group_id not in (None, group_id):
+                return  # in another sync's group, which may be streaming
             self._group_id = None
             self.workers.leave_group()
 

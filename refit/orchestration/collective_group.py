@@ -23,6 +23,7 @@ from refit.errors import GroupBroken
 from refit.orchestration.calls import (
     Outcome,
     call_all,
+    call_groups,
     dead_members,
     raise_first_error,
     submit_all,
@@ -32,6 +33,7 @@ from refit.orchestration.calls import (
 )
 from refit.orchestration.fleet import Lost, Roll, broken_group, losses
 from refit.plan.config import SyncConfig
+from refit.protocols import accepts
 from refit.transport.collective import JOIN_MARGIN_S, Rendezvous, RendezvousHost
 from refit.transport.kinds import StreamHandle
 
@@ -119,13 +121,24 @@ class CollectiveGroupLifecycle:
         raise broken
 
     def disconnect(self, members: list[tuple[str, Any]]) -> None:
-        """The trainer ranks and `members` leave the group (bounded, best effort: a dead member has left already)."""
+        """The trainer ranks and `members` leave the group (bounded, best effort: a dead member has left already).
+
+        Only this group: a member that has joined another Syncer's group since (whose sync may be streaming: this
+        one may have failed because that one holds the replicas) stays in it. A member whose `leave_transport` does
+        not take the group's id leaves whatever group it is in.
+        """
         host, self._host, self._replicas = self._host, None, ()
         if host is None:
             return
-        for outcome in call_all(self.sources + members, "leave_transport", timeout_s=self.config.timeout_s):
+        group_id = host.rendezvous.group_id
+        targets = self.sources + members
+        scoped = [target for target in targets if accepts(target[1], "leave_transport", "group_id")]
+        unscoped = [target for target in targets if target not in scoped]
+        answers = call_groups([(scoped, "leave_transport", (group_id,)), (unscoped, "leave_transport", ())],
+                              timeout_s=self.config.timeout_s)
+        for outcome in (outcome for outcomes in answers for outcome in outcomes):
             if not outcome.ok:
-                log.warning("%s could not leave collective group %s: %s", outcome.who, host.rendezvous.group_id, summary(outcome.error))
+                log.warning("%s could not leave collective group %s: %s", outcome.who, group_id, summary(outcome.error))
         host.close()
 
     def lost_with_it(self, error: Exception, roll: Roll) -> list[Lost]:

@@ -37,10 +37,12 @@ class TransportSender:
         self.leave()
         (self._group,) = CollectiveGroup.join(rendezvous, member)
 
-    def leave(self) -> None:
+    def leave(self, group_id: str | None = None) -> None:
+        """Leave collective group `group_id` if in it; None: whichever group this sender is in."""
+        if self._group is None or group_id not in (None, self._group.rendezvous.group_id):
+            return
         group, self._group = self._group, None
-        if group is not None:
-            group.close()
+        group.close()
 
     def group_id(self) -> str | None:
         return None if self._group is None else self._group.rendezvous.group_id

@@ -18,6 +18,7 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model_dir
 from refit import Phase
+from refit.orchestration.calls import first_claim
 from refit.transport.collective import Rendezvous, RendezvousHost
 from tests.support.actors import node_id, run_in, save, started
 from tests.support.checkpoints import write_fp8_block_checkpoint
@@ -166,6 +167,34 @@ def test_two_collective_syncers_at_once_one_wins_and_the_other_fails_by_name(set
     for replica in (in_process, own_process):
         assert ray.get(replica.status.remote()).phase in (Phase.SERVING, Phase.REFUSING)
     assert refit.sync(trainer, [in_process, own_process], COLLECTIVE).replicas[0].served_version > max(versions)
+
+
+def test_a_sync_refused_at_its_first_claim_leaves_the_group_another_syncer_formed_since_alone(setup):
+    """Found: two Syncers racing on one fleet over `collective`; the loser's clean-up made the trainer and every
+    worker leave whichever group they were in, the winner's, mid-sync, so the winner failed too ("this trainer is
+    in no group"). A failed sync now leaves only the group its own Syncer formed."""
+    trainer, in_process, own_process = setup
+    replicas = [in_process, own_process]
+    earlier, later = refit.Syncer(trainer, replicas, COLLECTIVE), refit.Syncer(trainer, replicas, COLLECTIVE)
+    earlier.sync()
+    later.sync()  # every member leaves the earlier Syncer's group for this one's
+    members = [trainer, *replicas]
+    group = ray.get(trainer.transport_group.remote())
+    assert [ray.get(m.transport_group.remote()) for m in members] == [group] * 3
+    # A rival holds the replica every Syncer claims first, as the later Syncer's next sync would while it streams.
+    claimed = first_claim([(str(i), r) for i, r in enumerate(replicas)])[1]
+    ray.get(claimed.begin_update.remote(later.plan(), "rival", COLLECTIVE), timeout=120)
+    try:
+        with pytest.raises(refit.LifecycleError, match=r"another sync \(rival\)"):
+            earlier.sync()
+        assert [ray.get(m.transport_group.remote()) for m in members] == [group] * 3
+    finally:
+        ray.get(claimed.abort_update.remote("rival", "the test's rival gives up"), timeout=120)
+    report = later.sync()  # in its group still: nothing to form again
+    assert [r.served_version for r in report.replicas] == [report.version] * 2
+    assert [ray.get(m.transport_group.remote()) for m in members] == [group] * 3
+    for syncer in (earlier, later):
+        syncer.close()
 
 
 def kill_mid_broadcast(sync_trainer, replicas, victim, match: str) -> None:
