@@ -80,3 +80,11 @@ def test_each_stream_handle_names_its_own_transport() -> None:
 def test_deltas_are_kept_exactly_where_they_were() -> None:
     assert {name for name, kind in TRANSPORTS.items() if kind.traits.delta_base_in is not None} == {"ray", "collective"}
     assert [SyncConfig(transport=t).keeps_delta_base for t in ("ray", "collective", "ipc", "shm")] == [True, True, False, False]
+
+
+def test_a_trainer_asked_to_send_over_a_group_it_is_not_in_says_another_syncer_may_have_taken_it() -> None:
+    """A second driver's Syncer sharing the trainer over collective moves it into its own group between this sync's
+    join and its stream; the refusal says so rather than only that the sync should have joined."""
+    rendezvous = Rendezvous("127.0.0.1", 1, "g1", ("the trainer", "rollout 0 worker 0"), timeout_s=5)
+    with pytest.raises(TransportError, match=r"group g1, but this trainer is in no group; .* another Syncer .* one at a time"):
+        kind_of_handle(rendezvous).send([], rendezvous, None)
