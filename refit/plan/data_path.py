@@ -170,7 +170,7 @@ def _check_shapes_and_scales(bucket: int, tensors: list[tuple[str, torch.Tensor]
                 for name, value in tensors if tuple(value.shape) != expected[name][1]]
     scales = [(name, value) for name, value in tensors if expected[name][2] and tuple(value.shape) == expected[name][1]]
     # One pass over all of the bucket's scales (a MoE bucket holds hundreds); each is named only if the pass fails.
-    if scales and not _all_finite_and_positive(torch.cat([value.reshape(-1) for _, value in scales])):
+    if scales and not _all_finite_and_positive(torch.cat([value.reshape(-1).float() for _, value in scales])):
         for name, value in scales:
             if not _all_finite_and_positive(value):
                 problems.append(f"{name}: FP8 weight scale holds zero, negative or non-finite values "

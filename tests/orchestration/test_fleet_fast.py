@@ -191,3 +191,32 @@ def test_min_replicas_is_checked():
     with pytest.raises(ConfigError, match=r"the Syncer has 2 replica\(s\) and SyncConfig.min_replicas=3"):
         Syncer(trainer, replicas, dataclasses.replace(CONFIG, min_replicas=3)).sync()
     assert all(r.status().served_version is None for r in replicas)
+
+
+def test_a_syncer_leaving_its_collective_group_names_it_to_members_that_take_the_id_and_not_to_others():
+    """A failed sync's clean-up (or `close`) leaves its own Syncer's group only: a member that has joined another
+    Syncer's group since stays there. A member whose `leave_transport` takes no id is called without one."""
+    from refit.orchestration.collective_group import CollectiveGroupLifecycle
+    from refit.transport.collective import RendezvousHost
+
+    class Scoped:
+        def __init__(self, group: str) -> None:
+            self.group: str | None = group
+
+        def leave_transport(self, group_id: str | None = None) -> None:
+            if group_id in (None, self.group):
+                self.group = None
+
+    class Unscoped:
+        left = False
+
+        def leave_transport(self) -> None:
+            self.left = True
+
+    lifecycle = CollectiveGroupLifecycle([("the trainer", Scoped("mine"))], SyncConfig(transport="collective", timeout_s=5))
+    lifecycle._host = host = RendezvousHost(["the trainer", "rollout 0 worker 0"], timeout_s=5)
+    trainer = lifecycle.sources[0][1]
+    trainer.group = host.rendezvous.group_id
+    moved_on, old = Scoped("another Syncer's"), Unscoped()
+    lifecycle.disconnect([("rollout 0", moved_on), ("rollout 1", old)])
+    assert (trainer.group, moved_on.group, old.left) == (None, "another Syncer's", True)

@@ -78,13 +78,24 @@ def test_a_weight_scale_that_is_not_finite_and_positive_is_refused_with_a_valid_
 
 
 def test_a_bucket_of_many_scales_names_exactly_those_that_are_not_finite_and_positive():
-    """The bucket's scales are checked in one pass; the refusal still names each bad one, and only those."""
+    """The bucket's scales are checked in one pass (bf16 and fp32 ones together); the refusal still names each bad
+    one, and only those: one bad element in an otherwise good scale is enough."""
     names = [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(6)]
-    plan = TransferPlan((tuple(PlannedTensor(n, n, (256, 384), "bfloat16", (128, 128)) for n in names),), QuantizeOn.TRAINER, KEY)
-    tensors = [pair for n in names for pair in loadable_form(n, torch.randn(256, 384, dtype=torch.bfloat16), (128, 128))]
+    dtypes = ["bfloat16", "float32"] * 3
+    plan = TransferPlan((tuple(PlannedTensor(n, n, (256, 384), d, (128, 128)) for n, d in zip(names, dtypes)),),
+                        QuantizeOn.TRAINER, KEY)
+    tensors = [pair for n, d in zip(names, dtypes)
+               for pair in loadable_form(n, torch.randn(256, 384, dtype=getattr(torch, d)), (128, 128))]
     assert len(loadable_tensors(plan, pack_bucket(0, tensors, key=KEY))) == 12
-    bad = {f"{names[1]}_scale": 0.0, f"{names[4]}_scale": float("nan")}
-    tensors = [(n, t.clone().fill_(bad[n]) if n in bad else t) for n, t in tensors]
+    bad = {f"{names[1]}_scale": 0.0, f"{names[2]}_scale": -1.0, f"{names[4]}_scale": float("nan"),
+           f"{names[5]}_scale": float("inf")}
+
+    def spoiled(name: str, scale: torch.Tensor) -> torch.Tensor:
+        scale = scale.clone()
+        scale[1, 2] = bad[name]
+        return scale
+
+    tensors = [(n, spoiled(n, t) if n in bad else t) for n, t in tensors]
     with pytest.raises(InvalidTensorError) as refused:
         loadable_tensors(plan, pack_bucket(0, tensors, key=KEY), verify=False)
     named = [line.split(":")[0].strip() for line in str(refused.value).splitlines()[1:]]

@@ -46,8 +46,8 @@ class CollectiveTransport:
             raise TransportError(
                 f"asked to send over collective group {handle.group_id}, but this trainer is in "
                 f"{group_id or 'no group'}; the sync joins it first (join_transport). If it did, another Syncer (a "
-                "second driver's, say) took the trainer into its own group or out of this one since: a trainer is in one "
-                "collective group at a time, so Syncers that share it over transport='collective' sync one at a time"
+                "second driver's, say) took the trainer into its own group since: a trainer is in one collective group "
+                "at a time, so Syncers that share it over transport='collective' sync one at a time"
             )
         return BucketSender(group).send(buckets)
 
