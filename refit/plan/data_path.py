@@ -16,7 +16,7 @@ from refit.errors import InvalidTensorError, PlanMismatchError, VerificationErro
 from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import PlannedTensor, TransferPlan
 from refit.provenance import refuse_invalid_scales
-from refit.quantizer.fp8_block import is_finite, loadable_form, loadable_layout, quantize_fp8_block, scale_name
+from refit.quantizer.fp8_block import is_finite, is_valid_scale, loadable_form, loadable_layout, quantize_fp8_block, scale_name
 from refit.transport.buckets import BucketWriter, WireBucket, WireTensor
 from refit.transport.delta import ReplicaBase
 from refit.transport.integrity import tag_matches
@@ -170,18 +170,13 @@ def _check_shapes_and_scales(bucket: int, tensors: list[tuple[str, torch.Tensor]
                 for name, value in tensors if tuple(value.shape) != expected[name][1]]
     scales = [(name, value) for name, value in tensors if expected[name][2] and tuple(value.shape) == expected[name][1]]
     # One pass over all of the bucket's scales (a MoE bucket holds hundreds); each is named only if the pass fails.
-    if scales and not _all_finite_and_positive(torch.cat([value.reshape(-1).float() for _, value in scales])):
+    if scales and not is_valid_scale(torch.cat([value.reshape(-1).float() for _, value in scales])):
         for name, value in scales:
-            if not _all_finite_and_positive(value):
+            if not is_valid_scale(value):
                 problems.append(f"{name}: FP8 weight scale holds zero, negative or non-finite values "
                                 f"(min {float(value.float().min()):.4g})")
     if problems:
         raise InvalidTensorError(f"refusing bucket {bucket}; nothing of it was loaded:\n  " + "\n  ".join(problems))
-
-
-def _all_finite_and_positive(values: torch.Tensor) -> bool:
-    values = values.float()
-    return bool(torch.isfinite(values).all()) and bool((values > 0).all())
 
 
 def _assemble(rows: list[tuple[WireTensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

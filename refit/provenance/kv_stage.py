@@ -27,7 +27,7 @@ import torch
 from refit.errors import EngineError, InvalidTensorError
 from refit.provenance.records import UNINFORMED, ScaleSource
 from refit.provenance.tracker import ATTENTION_SCALES, ScaleProvenanceTracker, is_attention_layer
-from refit.quantizer.fp8_block import FP8_E4M3_MAX
+from refit.quantizer.fp8_block import FP8_E4M3_MAX, is_valid_scale
 
 __all__ = [
     "AttentionAmaxRecorder",
@@ -99,13 +99,11 @@ def refuse_invalid_scales(tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     before a bucket is loaded, so an invalid scale never reaches the engine.
     """
     for name, tensor in tensors:
-        if name.rpartition(".")[2] in ATTENTION_SCALES and tensor.is_floating_point():
-            values = tensor.float()
-            if not bool(torch.isfinite(values).all() and (values > 0).all()):
-                raise InvalidTensorError(
-                    f"{name}: streamed scale holds non-positive or non-finite values "
-                    f"(min {float(values.min()):.4g}); fix the trainer's calibration"
-                )
+        if name.rpartition(".")[2] in ATTENTION_SCALES and tensor.is_floating_point() and not is_valid_scale(tensor):
+            raise InvalidTensorError(
+                f"{name}: streamed scale holds non-positive or non-finite values "
+                f"(min {float(tensor.float().min()):.4g}); fix the trainer's calibration"
+            )
 
 
 class AttentionAmaxRecorder:

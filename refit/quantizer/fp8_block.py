@@ -32,6 +32,7 @@ __all__ = [
     "loadable_layout",
     "dequantize_fp8_block",
     "is_finite",
+    "is_valid_scale",
     "quantize_fp8_block",
 ]
 
@@ -94,6 +95,13 @@ def loadable_layout(
         return [(name, dtype, tuple(shape))]
     (rows, cols), (bh, bw) = shape, block
     return [(name, torch.float8_e4m3fn, (rows, cols)), (scale_name(name), dtype, (-(-rows // bh), -(-cols // bw)))]
+
+
+def is_valid_scale(scale: torch.Tensor) -> bool:
+    """True if every value of a scale (a weight's block scales, an attention scale) is finite and positive: a zero,
+    negative or NaN scale would turn every value it multiplies to garbage, silently."""
+    values = scale.float()
+    return bool(torch.isfinite(values).all()) and bool((values > 0).all())
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
