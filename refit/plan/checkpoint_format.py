@@ -21,6 +21,16 @@ conversion makes each piece contiguous, a copy of the whole fused tensor);
 only the pieces a bucket holds are quantized or packed. A conversion that
 computes new values instead of slicing, or needs several parameters
 together, is refused by name.
+
+Why buffers too: a checkpoint is `state_dict()`, which holds a module's
+persistent buffers beside its parameters, and vLLM loads them: the
+router's `e_score_correction_bias` of DeepSeek-V3-style MoE models (GLM-4.5,
+dots1), Apertus' xIELU constants. Sent with the parameters, they reach an
+engine as a checkpoint load would bring them; left out, a dummy-loaded
+engine routed its experts by dummy biases for ever, and a layer whose
+buffers were never loaded came out of vLLM's layerwise reload holding
+uninitialized memory. What `save_pretrained` leaves out
+(`_keys_to_ignore_on_save`, non-persistent buffers) is left out here.
 """
 
 from __future__ import annotations
@@ -64,7 +74,8 @@ class _ViewProbe(torch.Tensor):
 
 
 class CheckpointView:
-    """A model's parameters under their checkpoint names and shapes, as metadata and as tensors.
+    """A model's checkpoint tensors (parameters and persistent buffers) under their checkpoint names and shapes, as
+    metadata and as tensors.
 
     `metadata()` is what a weight source reports (`WeightSource.weight_metadata`);
     `tensor(name)` is the lookup `produce_buckets` reads values through. Works on
@@ -77,7 +88,7 @@ class CheckpointView:
         theirs (fp32 master weights that stream bf16, as FSDP2's mixed precision computes in bf16)."""
         self._model = model
         self._wire_dtype = wire_dtype
-        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._params = _state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
         self._sources: dict[str, str] = {}  # checkpoint name -> the parameter it is, or is a piece of
         self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
         self._metas: list[TensorMeta] = []
@@ -156,6 +167,19 @@ class CheckpointView:
             )
         self._sources[meta.name] = source
         self._metas.append(meta)
+
+
+def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` takes from `model.state_dict()`: every parameter (a tied one under each of its names)
+    and every persistent buffer, less `_keys_to_ignore_on_save`; the live tensors, not detached copies."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        owner, _, attribute = name.rpartition(".")
+        if attribute not in modules[owner]._non_persistent_buffers_set:
+            tensors[name] = buffer
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    return {name: tensor for name, tensor in tensors.items() if name not in ignored}
 
 
 def describe_weights(model: torch.nn.Module) -> list[TensorMeta]:

@@ -186,3 +186,46 @@ def test_a_parameter_the_save_conversion_only_renames_keeps_its_module_class():
                                      "model.layers.0.block_sparse_moe.output_linear.weight",
                                      "model.layers.0.block_sparse_moe.router.layer.weight"])
     assert {t.target for t in plan.tensors if t.block is not None} >= {"model.layers.0.self_attn.q_proj.weight"}
+
+
+def _tiny(model_type: str, **changes) -> torch.nn.Module:
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**common, **changes}))
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(lambda: _tiny("glm4_moe", head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                               first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), id="glm4-moe"),
+    pytest.param(lambda: _tiny("apertus"), id="apertus"),
+])
+def test_persistent_buffers_are_checkpoint_tensors_as_save_pretrained_writes_them(model, tmp_path):
+    """GLM-4-MoE's router bias (`e_score_correction_bias`) and Apertus' xIELU constants are buffers that checkpoints
+    hold and vLLM loads (regression: only parameters were sent, so a dummy-loaded engine kept dummy router biases and
+    the layerwise reload left Apertus' constants uninitialized); non-persistent buffers (rotary tables) are not."""
+    model = model()
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (not iterable)
+    view = CheckpointView(model)
+    assert {m.name: m.shape for m in view.metadata() if m.alias_of is None} == saved
+    buffers = dict(model.named_buffers())
+    persistent = [name for name in saved if name in buffers]
+    assert persistent and not any("rotary" in name for name in saved)
+    for name in persistent:
+        assert view.tensor(name) is buffers[name]  # the live buffer: a change the trainer makes is what is sent
+
+
+def test_a_buffer_save_pretrained_leaves_out_is_not_described():
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+            self.register_buffer("ignored", torch.zeros(2))
+
+    block = Block()
+    block._keys_to_ignore_on_save = {"ignored"}
+    assert [m.name for m in describe_weights(block)] == ["proj.weight", "proj.bias", "scale"]

@@ -268,9 +268,14 @@ def engine_state(rollout) -> dict[str, str]:
     return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.model))[0]
 
 
-def _parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
-    return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-            for name, p in model.named_parameters()}
+def engine_tensors(rollout) -> dict[str, str]:
+    """`engine_state` with every buffer of the model hashed too."""
+    return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.model, buffers=True))[0]
+
+
+def _parameter_hashes(model: torch.nn.Module, buffers: bool = False) -> dict[str, str]:
+    tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
+    return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest() for name, p in tensors}
 
 
 def change_trainer(trainer, names: list[str], change) -> None:

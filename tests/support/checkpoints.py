@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -73,14 +74,18 @@ def write_variant(bf16_dir: str | Path, out_dir: str | Path, *, seed: int, **con
     return write_random(changed, out_dir, seed=seed, like=Path(bf16_dir).parent / "fp8_block")
 
 
-def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | Path,
-                 ignore: list[str] | None = None) -> tuple[Path, Path]:
-    """A random bf16 model of transformers `config` and its FP8_BLOCK checkpoint in the scheme of checkpoint `like`
-    (`ignore`: as `write_fp8_block_checkpoint`'s): `(bf16 dir, fp8 dir)` under `out_dir`."""
+def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | Path, ignore: list[str] | None = None,
+                 edit: Callable[[object], None] | None = None) -> tuple[Path, Path]:
+    """A random bf16 model of transformers `config` (changed by `edit` before it is saved) and its FP8_BLOCK checkpoint
+    in the scheme of checkpoint `like` (`ignore`: as `write_fp8_block_checkpoint`'s): `(bf16 dir, fp8 dir)` under
+    `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     bf16 = Path(out_dir) / "bf16"
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(bf16)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    if edit is not None:
+        edit(model)
+    model.save_pretrained(bf16)
     return bf16, write_fp8_block_checkpoint(bf16, Path(out_dir) / "fp8_block", like=like, ignore=ignore)

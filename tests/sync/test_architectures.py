@@ -16,7 +16,7 @@ import ray
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit.provenance import ScaleSource
-from tests.support.actors import engine_state, run_in
+from tests.support.actors import engine_state, engine_tensors, run_in
 from tests.support.checkpoints import write_random, write_variant
 from tests.support.serving import assert_serves
 
@@ -108,6 +108,43 @@ def test_a_bf16_moe_rollout_loads_every_expert_as_its_checkpoint_does(actors_fac
     bf16 = model_dir(False, "bf16", arch="qwen3_moe")
     assert_synced_away_and_back(actors_factory.rollout(bf16), actors_factory.trainer(bf16, reinitialize=True, seed=11),
                                 actors_factory.trainer(bf16))
+
+
+def _random_router_biases(model) -> None:
+    """Router biases far from their zero init, so that a replica routing by any other values picks other experts."""
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias"):
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape, generator=generator) * 0.5)
+
+
+@pytest.mark.parametrize("model_type, config, edit", [
+    ("glm4_moe", dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                      first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), _random_router_biases),
+    ("apertus", {}, None),
+], ids=["glm4-moe-router-bias", "apertus-xielu-constants"])
+def test_a_dummy_loaded_engine_gets_the_checkpoints_persistent_buffers(actors_factory, tmp_path, model_type, config, edit):
+    """Buffers a checkpoint holds are synced like parameters: GLM-4-MoE's router bias `e_score_correction_bias`
+    (DeepSeek-V3's routing) and Apertus' xIELU `beta` and `eps` (regression: only parameters were sent; the GLM
+    replica refused to serve, its router bias never loaded, and the Apertus one served with constants the
+    layerwise reload left uninitialized). Synced, every parameter and buffer of the engine equals a checkpoint
+    load's."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    bf16, fp8 = write_random(AutoConfig.for_model(model_type, **common, **config), tmp_path, seed=7,
+                             like=model_dir(True, "fp8_block"), edit=edit)
+    fresh = actors_factory.rollout(fp8, node=1, **FP8_KV)
+    replica = actors_factory.rollout(fp8, node=2, load_format="dummy", **FP8_KV)
+    report = refit.sync(actors_factory.trainer(bf16), replica)
+    assert report.replicas[0].served_version == 1
+    expected = run_in(fresh, engine_tensors)
+    assert run_in(replica, engine_tensors) == expected
+    assert ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(fresh.generate.remote(PROMPTS, NEW_TOKENS)).token_ids
 
 
 def assert_synced_away_and_back(replica, other, same) -> None:
