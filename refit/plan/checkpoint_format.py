@@ -110,8 +110,10 @@ class CheckpointView:
         return value if value.dtype == self.wire_dtype(param) else value.detach().to(self.wire_dtype(param))
 
     def wire_dtype(self, param: torch.Tensor) -> torch.dtype:
-        """The dtype `param`'s checkpoint tensors are sent in."""
-        return self._wire_dtype if self._wire_dtype is not None and param.is_floating_point() else param.dtype
+        """The dtype `param`'s checkpoint tensors are sent in. A buffer keeps its own: `wire_dtype` is for master
+        weights, and mixed precision leaves buffers as the model holds them (a router bias kept in fp32, say)."""
+        masters = self._wire_dtype is not None and param.is_floating_point() and isinstance(param, torch.nn.Parameter)
+        return self._wire_dtype if masters else param.dtype
 
     def location(self, name: str) -> tuple[torch.Tensor, _Piece | None]:
         """The parameter checkpoint tensor `name` is read from, and where in it the piece lies (None: all of it).

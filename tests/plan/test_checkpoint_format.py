@@ -215,6 +215,10 @@ def test_persistent_buffers_are_checkpoint_tensors_as_save_pretrained_writes_the
     assert persistent and not any("rotary" in name for name in saved)
     for name in persistent:
         assert view.tensor(name) is buffers[name]  # the live buffer: a change the trainer makes is what is sent
+    # fp32 master weights stream in the wire dtype; a buffer, which mixed precision leaves alone, in its own
+    masters = {m.name: m.dtype for m in CheckpointView(model.float(), wire_dtype=torch.bfloat16).metadata()}
+    assert {masters[name] for name in persistent} == {"float32"}
+    assert masters["model.layers.0.self_attn.q_proj.weight"] == "bfloat16"
 
 
 def test_a_buffer_save_pretrained_leaves_out_is_not_described():
