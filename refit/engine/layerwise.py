@@ -77,6 +77,7 @@ class LayerwiseReload:
         self._pending: dict[torch.nn.Module, torch.nn.Module] = {}  # tied alias -> the module its Parameter is from
         self.kept_out: frozenset[str] = frozenset()
         self._kernels: list[tuple[Any, Any, Any]] = []  # (MoE method, its kernel, its quant config) while suspended
+        self._first_paths = _first_paths(model)
         self.is_open = False
 
     def open(self) -> None:
@@ -96,9 +97,22 @@ class LayerwiseReload:
         """`model.load_weights` of `tensors` but the kept-out names (their bytes arrive through the tie), then the
         aliases that became ready; the parameter names vLLM reported as loaded."""
         loadable = [(name, tensor) for name, tensor in tensors if name not in self.kept_out]
-        loaded = set(self.model.load_weights(loadable)) if loadable else set()
+        loaded = self.model.load_weights(loadable) if loadable else ()
         self.process_ready_aliases()
-        return loaded
+        return {self._canonical(name) for name in loaded}
+
+    def _canonical(self, name: str) -> str:
+        """`name` under the path `named_parameters()` gives its parameter.
+
+        Why: vLLM registers some modules under two parents (`SharedFusedMoE`
+        holds the layer's router and shared experts inside its fused
+        experts too), and a model's `load_weights` may report either path,
+        so a loaded weight looked unloaded (dots1's shared experts)."""
+        module, _, attribute = name.rpartition(".")
+        owner = self._first_paths.get(module)
+        if owner is None:
+            return name
+        return f"{owner}.{attribute}" if owner else attribute
 
     def process_ready_aliases(self) -> None:
         """Process each tied alias whose source layer was processed: the source holds the shared Parameter again."""
@@ -155,6 +169,16 @@ def _cpu_packed_experts(model: torch.nn.Module) -> list[Any]:
         if isinstance(method, UnquantizedFusedMoEMethod) and isinstance(experts, CPUUnquantizedExperts):
             methods.append(method)
     return methods
+
+
+def _first_paths(model: torch.nn.Module) -> dict[str, str]:
+    """Each later path of a module registered under several, to its first (the one `named_parameters()` uses)."""
+    first: dict[int, str] = {}
+    later = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if first.setdefault(id(module), name) != name:
+            later[name] = first[id(module)]
+    return later
 
 
 def _absent_head(model: torch.nn.Module) -> frozenset[str]:

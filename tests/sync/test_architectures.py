@@ -125,13 +125,16 @@ def _random_router_biases(model) -> None:
     ("glm4_moe", dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                       first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), _random_router_biases),
     ("apertus", {}, None),
-], ids=["glm4-moe-router-bias", "apertus-xielu-constants"])
-def test_a_dummy_loaded_engine_gets_the_checkpoints_persistent_buffers(actors_factory, tmp_path, model_type, config, edit):
-    """Buffers a checkpoint holds are synced like parameters: GLM-4-MoE's router bias `e_score_correction_bias`
-    (DeepSeek-V3's routing) and Apertus' xIELU `beta` and `eps` (regression: only parameters were sent; the GLM
-    replica refused to serve, its router bias never loaded, and the Apertus one served with constants the
-    layerwise reload left uninitialized). Synced, every parameter and buffer of the engine equals a checkpoint
-    load's."""
+    ("dots1", dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                   first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), _random_router_biases),
+], ids=["glm4-moe-router-bias", "apertus-xielu-constants", "dots1-modules-registered-twice"])
+def test_a_dummy_loaded_engine_of_another_family_holds_what_a_checkpoint_load_holds(actors_factory, tmp_path, model_type,
+                                                                                     config, edit):
+    """Synced, every parameter and buffer of the engine equals a checkpoint load's. Regressions: buffers a checkpoint
+    holds were not sent (only parameters), so a GLM-4-MoE replica never loaded its router bias
+    `e_score_correction_bias` (DeepSeek-V3's routing) and refused to serve, and an Apertus one served with xIELU
+    constants (`beta`, `eps`) the layerwise reload left uninitialized; and vLLM registers dots1's router and shared
+    experts under two parents, so weights `load_weights` reported under their other path counted as unloaded."""
     from transformers import AutoConfig
 
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
