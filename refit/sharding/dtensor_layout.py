@@ -53,6 +53,8 @@ class DTensorLayout:
         flat = _local(param).detach().reshape(-1)
         begin = extent.offset + start * extent.row_numel - extent.shard[0]
         rows = flat[begin : begin + (stop - start) * extent.row_numel].view(stop - start, *extent.shape[1:])
+        if not extent.shape:  # a 0-d tensor (a scalar buffer) is one row here, and goes out as it is held
+            rows = rows.view(())
         return rows.to(self.view.wire_dtype(param))  # no copy unless the wire dtype differs
 
     def joins_gather(self, name: str) -> bool:

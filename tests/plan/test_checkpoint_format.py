@@ -233,3 +233,17 @@ def test_a_buffer_save_pretrained_leaves_out_is_not_described():
     block = Block()
     block._keys_to_ignore_on_save = {"ignored"}
     assert [m.name for m in describe_weights(block)] == ["proj.weight", "proj.bias", "scale"]
+
+
+def test_a_ranks_layout_reads_every_checkpoint_tensor_in_its_described_shape_scalar_buffers_too():
+    """A trainer rank reads what it holds by rows (`DTensorLayout.rows`); Apertus' 0-d xIELU buffers are one row
+    there (regression: they went out as shape (1,), and the replica refused the bucket)."""
+    from refit.sharding.dtensor_layout import DTensorLayout
+
+    layout = DTensorLayout(_tiny("apertus"))
+    metas = [m for m in layout.metadata() if m.alias_of is None]
+    assert any(m.shape == () for m in metas)
+    for meta in metas:
+        held = layout.held(meta.name)
+        assert held == (0, meta.shape[0] if meta.shape else 1), meta.name  # one process holds all of it
+        assert tuple(layout.rows(meta.name, *held).shape) == meta.shape, meta.name
