@@ -95,7 +95,7 @@ class LayerwiseReload:
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
         """`model.load_weights` of `tensors` but the kept-out names (their bytes arrive through the tie), then the
-        aliases that became ready; the parameter names vLLM reported as loaded."""
+        aliases that became ready; the parameter names vLLM reported as loaded, each under its module's first path."""
         loadable = [(name, tensor) for name, tensor in tensors if name not in self.kept_out]
         loaded = self.model.load_weights(loadable) if loadable else ()
         self.process_ready_aliases()

@@ -88,8 +88,8 @@ class CheckpointView:
         theirs (fp32 master weights that stream bf16, as FSDP2's mixed precision computes in bf16)."""
         self._model = model
         self._wire_dtype = wire_dtype
-        self._params = _state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
-        self._sources: dict[str, str] = {}  # checkpoint name -> the parameter it is, or is a piece of
+        self._tensors = _state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
+        self._sources: dict[str, str] = {}  # checkpoint name -> the parameter or buffer it is, or is a piece of
         self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
         self._metas: list[TensorMeta] = []
         self._describe()
@@ -99,7 +99,7 @@ class CheckpointView:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""
-        param = self._params[self._sources[name]]
+        param = self._tensors[self._sources[name]]
         piece = self._pieces.get(name)
         if piece is None:
             value = param
@@ -116,11 +116,11 @@ class CheckpointView:
         return self._wire_dtype if masters else param.dtype
 
     def location(self, name: str) -> tuple[torch.Tensor, _Piece | None]:
-        """The parameter checkpoint tensor `name` is read from, and where in it the piece lies (None: all of it).
+        """The parameter (or buffer) checkpoint tensor `name` is read from, and where in it the piece lies (None: all of it).
 
         For readers of sharded parameters, which cannot take a view of the whole (`refit.sharding`).
         """
-        return self._params[self._sources[name]], self._pieces.get(name)
+        return self._tensors[self._sources[name]], self._pieces.get(name)
 
     def _describe(self) -> None:
         """Metadata in checkpoint form: parameters the conversion leaves alone as they are, the others in pieces.
@@ -130,10 +130,10 @@ class CheckpointView:
         learn which pieces each one gives.
         """
         modules = dict(self._model.named_modules())
-        meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self._params.items()}
+        meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self._tensors.items()}
         whole = {n: tuple(t.shape) for n, t in _revert(self._model, meta).items()}
         first_name: dict[int, str] = {}
-        for name, param in self._params.items():
+        for name, param in self._tensors.items():
             alias_of = first_name.setdefault(id(param), name)
             dtype = str(self.wire_dtype(param)).removeprefix("torch.")
             classes = tuple(c.__name__ for c in type(modules[name.rpartition(".")[0]]).__mro__)

@@ -16,6 +16,7 @@ from fixtures import model_dir
 from refit.errors import PlanMismatchError
 from refit.plan import CheckpointView, RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, make_plan, produce_buckets
 from refit.quantizer.fp8_block import dequantize_fp8_block
+from tests.support.checkpoints import TINY, TINY_ROUTED_MOE
 
 MOE = dict(tied=False, arch="qwen3_moe")
 EXPERTS = 4
@@ -189,15 +190,12 @@ def test_a_parameter_the_save_conversion_only_renames_keeps_its_module_class():
 
 
 def _tiny(model_type: str, **changes) -> torch.nn.Module:
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**common, **changes}))
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**TINY, **changes}))
 
 
 @pytest.mark.parametrize("model", [
-    pytest.param(lambda: _tiny("glm4_moe", head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                               first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), id="glm4-moe"),
+    pytest.param(lambda: _tiny("glm4_moe", **TINY_ROUTED_MOE), id="glm4-moe"),
     pytest.param(lambda: _tiny("apertus"), id="apertus"),
 ])
 def test_persistent_buffers_are_checkpoint_tensors_as_save_pretrained_writes_them(model, tmp_path):

@@ -265,15 +265,15 @@ def kept_vllm_warnings(rollout, also: str) -> list[str]:
 
 def engine_state(rollout) -> dict[str, str]:
     """Run in a `RolloutActor`: a hash of every parameter of its engine's model (FP8 codes and scales included)."""
-    return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.model))[0]
+    return rollout.engine.llm.collective_rpc(lambda worker: _tensor_hashes(worker.model_runner.model))[0]
 
 
 def engine_tensors(rollout) -> dict[str, str]:
     """`engine_state` with every buffer of the model hashed too."""
-    return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.model, buffers=True))[0]
+    return rollout.engine.llm.collective_rpc(lambda worker: _tensor_hashes(worker.model_runner.model, buffers=True))[0]
 
 
-def _parameter_hashes(model: torch.nn.Module, buffers: bool = False) -> dict[str, str]:
+def _tensor_hashes(model: torch.nn.Module, buffers: bool = False) -> dict[str, str]:
     tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
     return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest() for name, p in tensors}
 
@@ -303,7 +303,7 @@ def change_megatron(rank, names: list[str], change) -> int:
 
 def draft_state(rollout) -> dict[str, str]:
     """Run in a `RolloutActor`: a hash of every parameter of its engine's speculative draft model."""
-    return rollout.engine.llm.collective_rpc(lambda worker: _parameter_hashes(worker.model_runner.get_draft_model()))[0]
+    return rollout.engine.llm.collective_rpc(lambda worker: _tensor_hashes(worker.model_runner.get_draft_model()))[0]
 
 
 def draft_like_policy(trainer) -> None:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
-__all__ = ["write_fewer_layers", "write_fp8_block_checkpoint", "write_random", "write_variant"]
+__all__ = ["TINY", "TINY_ROUTED_MOE", "write_fewer_layers", "write_fp8_block_checkpoint", "write_random", "write_variant"]
 
 
 def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, like: str | Path,
@@ -72,6 +72,16 @@ def write_variant(bf16_dir: str | Path, out_dir: str | Path, *, seed: int, **con
     if getattr(changed, "layer_types", None):
         changed.layer_types = [changed.layer_types[0]] * changed.num_hidden_layers
     return write_random(changed, out_dir, seed=seed, like=Path(bf16_dir).parent / "fp8_block")
+
+
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+"""The size of the tiny random models tests make of other families (with `AutoConfig.for_model`)."""
+
+TINY_ROUTED_MOE = dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                       first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1)
+"""A tiny DeepSeek-V3-style MoE (GLM-4-MoE, dots1): a dense first layer, sigmoid routing with a router bias, a shared
+expert."""
 
 
 def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | Path, ignore: list[str] | None = None,

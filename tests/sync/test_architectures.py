@@ -17,7 +17,7 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit.provenance import ScaleSource
 from tests.support.actors import engine_state, engine_tensors, run_in
-from tests.support.checkpoints import write_random, write_variant
+from tests.support.checkpoints import TINY, TINY_ROUTED_MOE, write_random, write_variant
 from tests.support.serving import assert_serves
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=23)
@@ -123,11 +123,9 @@ def _random_router_biases(model) -> None:
 
 
 @pytest.mark.parametrize("model_type, config, edit", [
-    ("glm4_moe", dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                      first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), _random_router_biases),
+    ("glm4_moe", TINY_ROUTED_MOE, _random_router_biases),
     ("apertus", {}, None),
-    ("dots1", dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                   first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1), _random_router_biases),
+    ("dots1", TINY_ROUTED_MOE, _random_router_biases),
 ], ids=["glm4-moe-router-bias", "apertus-xielu-constants", "dots1-modules-registered-twice"])
 def test_a_dummy_loaded_engine_of_another_family_holds_what_a_checkpoint_load_holds(actors_factory, tmp_path, model_type,
                                                                                      config, edit):
@@ -138,9 +136,7 @@ def test_a_dummy_loaded_engine_of_another_family_holds_what_a_checkpoint_load_ho
     experts under two parents, so weights `load_weights` reported under their other path counted as unloaded."""
     from transformers import AutoConfig
 
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
-    bf16, fp8 = write_random(AutoConfig.for_model(model_type, **common, **config), tmp_path, seed=7,
+    bf16, fp8 = write_random(AutoConfig.for_model(model_type, **TINY, **config), tmp_path, seed=7,
                              like=model_dir(True, "fp8_block"), edit=edit)
     fresh = actors_factory.rollout(fp8, node=1, **FP8_KV)
     replica = actors_factory.rollout(fp8, node=2, load_format="dummy", **FP8_KV)
