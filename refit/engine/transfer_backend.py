@@ -57,6 +57,7 @@ try:
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, SKIP_TENSORS
     from vllm.platforms import current_platform
 
     from refit.engine.layerwise import LayerwiseReload, outermost  # vLLM's reload, with tied aliases kept out
@@ -98,8 +99,8 @@ class DraftModel:
         self.model = model
         targets = {id(module) for module in target.modules()}
         shared = outermost([name for name, module in model.named_modules() if name and id(module) in targets])
-        self.shared = frozenset(f"{name}.{param}" for name in shared
-                                for param, _ in model.get_submodule(name).named_parameters())
+        self.shared = frozenset(f"{name}.{tensor}" for name in shared
+                                for tensor, _ in model.get_submodule(name).state_dict(keep_vars=True).items())
         self.reload = LayerwiseReload(model, model_config, owned_elsewhere=shared)
         self.provenance = ScaleProvenanceTracker(model)
         names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(model_config.model)
@@ -371,10 +372,26 @@ def _span(buffer: Any) -> tuple[int, int]:
 
 
 def _expected_weights(model: torch.nn.Module) -> frozenset[str]:
-    """In loadable form every parameter is one `load_weights` can report, except the attention layers' own
-    (KV-cache scales, zero points): the post-refit stage owns those, and a stream may or may not carry them."""
+    """The tensors an update must load: every parameter, and every persistent buffer of a module that has
+    parameters, except the attention layers' own (KV-cache scales, zero points: the post-refit stage owns those,
+    and a stream may or may not carry them). Called with the reload open, so the model is in loadable form.
+
+    Why buffers: vLLM's layerwise reload puts a module's buffers on the meta device with its parameters and,
+    once the module is processed, copies every persistent one back from the uninitialized memory it
+    materialized, loaded or not; a buffer the update leaves out is then served as garbage (Apertus' xIELU
+    `beta` and `eps`). A module with buffers only (rotary tables) that receives nothing gets its old ones back.
+    """
     attention = {name for name, module in model.named_modules() if is_attention_layer(module)}
-    return frozenset(name for name, _ in model.named_parameters() if name.rpartition(".")[0] not in attention)
+    params = {name for name, _ in model.named_parameters()}  # a tensor registered twice, under its first path
+    holders = {name.rpartition(".")[0] for name in params} - attention
+    buffers = set()
+    for name, _ in model.named_buffers():
+        owner, _, attribute = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if (owner in holders and attribute not in module._non_persistent_buffers_set and attribute not in SKIP_TENSORS
+                and type(module).__name__ not in SKIP_MODULES):
+            buffers.add(name)
+    return frozenset(name for name in params if name.rpartition(".")[0] not in attention) | buffers
 
 
 def register() -> None:

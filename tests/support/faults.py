@@ -141,4 +141,21 @@ class HandWrittenSource:
         return refit.describe_weights(self.model)
 
     def buckets(self, plan):
-        return refit.produce_buckets(plan, dict(self.model.named_parameters(remove_duplicate=False)).__getitem__)
+        return refit.produce_buckets(plan, refit.checkpoint_tensors(self.model))
+
+
+@ray.remote
+class DroppingTrainer(HandWrittenSource):
+    """Claims every weight in its metadata, then streams none whose name begins with `drop` (a buggy custom weight
+    source)."""
+
+    def __init__(self, checkpoint: str, drop: str) -> None:
+        super().__init__(checkpoint)
+        self.drop = drop
+
+    def stream_buckets(self, plan):
+        from refit.transport.buckets import pack_bucket
+
+        for bucket in self.buckets(plan):
+            kept = [(name, tensor) for name, tensor in bucket.unpack() if not name.startswith(self.drop)]
+            yield pack_bucket(bucket.index, kept, key=plan.integrity_key)

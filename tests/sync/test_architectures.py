@@ -15,10 +15,12 @@ import ray
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
+from refit import Phase
 from refit.provenance import ScaleSource
 from tests.support.actors import engine_state, engine_tensors, run_in
 from tests.support.checkpoints import TINY, TINY_ROUTED_MOE, write_random, write_variant
-from tests.support.serving import assert_serves
+from tests.support.faults import DroppingTrainer
+from tests.support.serving import assert_serves, status
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=23)
 FP8_KV = {"kv_cache_dtype": "fp8_e4m3"}
@@ -145,6 +147,23 @@ def test_a_dummy_loaded_engine_of_another_family_holds_what_a_checkpoint_load_ho
     expected = run_in(fresh, engine_tensors)
     assert run_in(replica, engine_tensors) == expected
     assert ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids == ray.get(fresh.generate.remote(PROMPTS, NEW_TOKENS)).token_ids
+
+
+def test_an_update_that_leaves_out_a_buffer_the_engine_loads_is_refused_and_never_served(actors_factory, tmp_path):
+    """The engine's own completeness check covers buffers, the last guard when verification is off: vLLM's reload
+    copies a left-out buffer back uninitialized (regression: a stream without Apertus' xIELU `beta` was finished,
+    and the replica served a NaN constant)."""
+    from transformers import AutoConfig
+
+    bf16, fp8 = write_random(AutoConfig.for_model("apertus", **TINY), tmp_path, seed=7, like=model_dir(True, "fp8_block"))
+    replica = actors_factory.rollout(fp8, node=1, **FP8_KV)
+    liar = actors_factory.keep(DroppingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(bf16), "model.layers.1.mlp.act_fn.beta"))
+    with pytest.raises(refit.EngineError, match=r"left 1 of the model's \d+ weights unloaded.*model\.layers\.1\.mlp\.act_fn\.beta'"):
+        refit.Syncer(liar, [replica], refit.SyncConfig(verify="off")).sync()
+    assert status(replica).phase is Phase.REFUSING
+    report = refit.sync(actors_factory.trainer(bf16), replica)
+    assert report.replicas[0].served_version == report.version
 
 
 def assert_synced_away_and_back(replica, other, same) -> None:

@@ -23,7 +23,7 @@ from fixtures import NEW_TOKENS, VOCAB_SIZE, model_dir
 from refit import Phase
 from tests.support.actors import hold_a_request, release_the_request, run_in, started
 from tests.support.checkpoints import write_fewer_layers
-from tests.support.faults import HandWrittenSource, die_when_joining, kill_during_syncs
+from tests.support.faults import DroppingTrainer, HandWrittenSource, die_when_joining, kill_during_syncs
 from tests.support.serving import PROMPTS, SAME_MODEL, agreement, assert_serves, status, tokens
 
 FAST = refit.SyncConfig(timeout_s=20)
@@ -147,22 +147,6 @@ def test_a_trainer_missing_tensors_is_refused_before_any_byte_and_the_replicas_k
         refit.Syncer(small, replicas, FAST).sync()
     assert [status(r) for r in replicas] == before
     assert_serves(replicas, trainers[0])
-
-
-@ray.remote
-class DroppingTrainer(HandWrittenSource):
-    """Claims every weight in its metadata, then streams one tensor fewer (a buggy custom weight source)."""
-
-    def __init__(self, checkpoint: str, drop: str) -> None:
-        super().__init__(checkpoint)
-        self.drop = drop
-
-    def stream_buckets(self, plan):
-        from refit.transport.buckets import pack_bucket
-
-        for bucket in self.buckets(plan):
-            kept = [(name, tensor) for name, tensor in bucket.unpack() if not name.startswith(self.drop)]
-            yield pack_bucket(bucket.index, kept, key=plan.integrity_key)
 
 
 def test_a_stream_missing_a_tensor_is_refused_at_finish_and_never_served(replicas, trainers, actors_factory):
