@@ -25,7 +25,7 @@ from refit.errors import InvalidTensorError
 from refit.transport.integrity import tag
 
 __all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "buffers_from",
-           "element_view", "pack_bucket"]
+           "element_view", "pack_bucket", "untravelable"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -174,8 +174,8 @@ class BucketWriter:
         offset = 0
         for name, dtype, shape in entries:
             dtype_name = str(dtype).removeprefix("torch.")
-            if dtype_name not in _DTYPES:
-                raise InvalidTensorError(f"{name}: dtype {dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}")
+            if problem := untravelable(name, dtype_name):
+                raise InvalidTensorError(problem)
             nbytes = math.prod(shape) * dtype.itemsize
             table.append(WireTensor(name, dtype_name, tuple(shape), offset, nbytes, row_offsets.get(name, 0)))
             offset += -(-nbytes // _ALIGN) * _ALIGN
@@ -241,6 +241,14 @@ def assemble_bucket(index: int, items: Iterable[tuple[WireTensor, torch.Tensor]]
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes in row-major order, as a flat uint8 tensor (a view when it is contiguous)."""
     return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def untravelable(name: str, dtype: str) -> str | None:
+    """Why tensor `name` cannot travel in a bucket with dtype `dtype` (torch's name, without `torch.`), or None if it
+    can."""
+    if dtype in _DTYPES:
+        return None
+    return f"{name}: dtype {dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}"
 
 
 def element_view(dtype: str) -> torch.dtype:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fixtures import model_dir
-from refit.errors import PlanMismatchError
+from refit.errors import InvalidTensorError, PlanMismatchError
 from refit.plan import CheckpointView, RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, make_plan, produce_buckets
 from refit.quantizer.fp8_block import dequantize_fp8_block
 from tests.support.checkpoints import TINY, TINY_ROUTED_MOE
@@ -231,6 +231,23 @@ def test_a_buffer_save_pretrained_leaves_out_is_not_described():
     block = Block()
     block._keys_to_ignore_on_save = {"ignored"}
     assert [m.name for m in describe_weights(block)] == ["proj.weight", "proj.bias", "scale"]
+
+
+def test_a_buffer_in_a_dtype_no_bucket_carries_is_refused_at_plan_time_by_name():
+    """Buffers keep their own dtype, and int16 or uint32 have no place in a bucket (regression: the plan was made and
+    the sync failed at packing, mid-stream)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("counts", torch.zeros(4, dtype=torch.int16))
+            self.register_buffer("ids", torch.zeros(2, dtype=torch.uint32))
+
+    with pytest.raises(InvalidTensorError, match="cannot plan the transfer") as error:
+        make_plan(describe_weights(Block()), RolloutModelInfo(None, False), SyncConfig(check_against_rollout=False))
+    assert "counts: dtype int16 cannot travel in a refit bucket" in str(error.value)
+    assert "ids: dtype uint32 cannot travel" in str(error.value)
 
 
 def test_a_ranks_layout_reads_every_checkpoint_tensor_in_its_described_shape_scalar_buffers_too():
