@@ -77,7 +77,7 @@ class DTensorLayout:
                 raise InvalidTensorError(f"refusing to send any weight: {planned.source} holds NaN or Inf on rank {rank}")
 
     def shard_bytes(self) -> int:
-        return sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+        return sum(_local(t).numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def _extent(self, name: str) -> tuple[torch.Tensor, _Extent]:
         """Checkpoint tensor `name`'s parameter, and where the tensor and this rank's shard lie in it (flat elements)."""

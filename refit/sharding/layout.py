@@ -50,5 +50,5 @@ class RankLayout(Protocol):
         ...
 
     def shard_bytes(self) -> int:
-        """Bytes of this rank's own parameters."""
+        """Bytes of this rank's own tensors: its parameters and buffers."""
         ...

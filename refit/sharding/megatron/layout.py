@@ -111,7 +111,7 @@ class MegatronLayout:
             checked.add(id(param))
 
     def shard_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def _part(self, param: torch.Tensor, slot: Slot) -> torch.Tensor:
         part = slot.read(param.detach())
