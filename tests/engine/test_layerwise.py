@@ -87,3 +87,22 @@ def test_the_alias_is_processed_once_as_soon_as_its_source_holds_the_shared_para
     assert processed == [model.lm_head]
     reload.close()
     assert processed == [model.lm_head]  # not again
+
+
+def test_a_weight_reported_under_a_modules_second_path_counts_under_its_first():
+    """vLLM's `SharedFusedMoE` registers the router and shared experts inside the fused experts too, and dots1's
+    `load_weights` reports them there (regression: loaded weights counted as unloaded and every sync was refused)."""
+
+    class Reporting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 4)
+            self.experts = torch.nn.Module()
+            self.experts.gate = self.gate
+
+        def load_weights(self, weights):
+            return {f"experts.{name}" for name, _ in weights}
+
+    model = Reporting()
+    loaded = LayerwiseReload(model, model_config=None).load([("gate.weight", torch.ones(4, 4)), ("gate.bias", torch.ones(4))])
+    assert loaded == {"gate.weight", "gate.bias"} == {name for name, _ in model.named_parameters()}
