@@ -33,7 +33,7 @@ from refit.plan.mtp_layers import mtp_prefixes
 from refit.plan.tensors import TensorMeta, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
-from refit.transport.buckets import untravelable
+from refit.transport.buckets import wire_dtype_problem
 
 __all__ = ["DRAFT_PREFIX", "TIED_HEAD", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "bucket_bound",
            "layer_key", "make_plan"]
@@ -326,7 +326,7 @@ def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, con
             problems.append(f"{target}: the rollout expects it FP8_BLOCK-quantized, but its shape is {meta.shape}, not 2-D")
         if quantize and getattr(torch, meta.dtype, None) not in SUPPORTED_DTYPES:
             problems.append(f"{target}: dtype {meta.dtype} cannot be FP8_BLOCK-quantized")
-        elif not quantize and (problem := untravelable(target, meta.dtype)):
+        elif not quantize and (problem := wire_dtype_problem(target, meta.dtype)):
             problems.append(problem)
         block = quantizer.scheme.block if quantize else None
         planned[target] = PlannedTensor(target, source, meta.shape, meta.dtype, block)

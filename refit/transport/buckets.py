@@ -25,7 +25,7 @@ from refit.errors import InvalidTensorError
 from refit.transport.integrity import tag
 
 __all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "buffers_from",
-           "element_view", "pack_bucket", "untravelable"]
+           "element_view", "pack_bucket", "wire_dtype_problem"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -174,7 +174,7 @@ class BucketWriter:
         offset = 0
         for name, dtype, shape in entries:
             dtype_name = str(dtype).removeprefix("torch.")
-            if problem := untravelable(name, dtype_name):
+            if problem := wire_dtype_problem(name, dtype_name):
                 raise InvalidTensorError(problem)
             nbytes = math.prod(shape) * dtype.itemsize
             table.append(WireTensor(name, dtype_name, tuple(shape), offset, nbytes, row_offsets.get(name, 0)))
@@ -243,7 +243,7 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
-def untravelable(name: str, dtype: str) -> str | None:
+def wire_dtype_problem(name: str, dtype: str) -> str | None:
     """Why tensor `name` cannot travel in a bucket with dtype `dtype` (torch's name, without `torch.`), or None if it
     can."""
     if dtype in _DTYPES:
