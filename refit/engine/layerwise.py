@@ -53,16 +53,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
 from refit.plan.transfer_plan import TIED_HEAD
 
-__all__ = ["LayerwiseReload", "outermost", "tied_aliases"]
+__all__ = ["LayerwiseReload", "Unfilled", "outermost", "tied_aliases"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unfilled:
+    """Tensors of partly loaded layers that an update would leave without its bytes (`LayerwiseReload.unfilled`)."""
+
+    bypassed: tuple[str, ...]  # reported loaded by `load_weights`, written past the reload's loaders
+    left_out: tuple[str, ...]  # never loaded: the stream did not carry them
 
 
 class LayerwiseReload:
@@ -78,6 +89,7 @@ class LayerwiseReload:
         self.kept_out: frozenset[str] = frozenset()
         self._kernels: list[tuple[Any, Any, Any]] = []  # (MoE method, its kernel, its quant config) while suspended
         self._first_paths = _first_paths(model)
+        self._outside: list[str] = []  # modules this reload does not take part in (kept-out aliases, owned elsewhere)
         self.is_open = False
 
     def open(self) -> None:
@@ -86,7 +98,8 @@ class LayerwiseReload:
         self._pending = dict(aliases.values())
         self.kept_out = frozenset(f"{name}.{param}" for name, (alias, _) in aliases.items()
                                   for param, _ in _own_parameters(alias)) | _absent_head(self.model)
-        with _detached(self.model, [*self._owned_elsewhere, *aliases]):
+        self._outside = [*self._owned_elsewhere, *aliases]
+        with _detached(self.model, self._outside):
             initialize_layerwise_reload(self.model)
         self._kernels = [(method, method.moe_kernel, method.moe_quant_config) for method in _cpu_packed_experts(self.model)]
         for method, _, _ in self._kernels:
@@ -95,14 +108,14 @@ class LayerwiseReload:
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> set[str]:
         """`model.load_weights` of `tensors` but the kept-out names (their bytes arrive through the tie), then the
-        aliases that became ready; the parameter names vLLM reported as loaded, each under its module's first path."""
+        aliases that became ready; the tensor names vLLM reported as loaded, each under its module's first path."""
         loadable = [(name, tensor) for name, tensor in tensors if name not in self.kept_out]
         loaded = self.model.load_weights(loadable) if loadable else ()
         self.process_ready_aliases()
         return {self._canonical(name) for name in loaded}
 
     def _canonical(self, name: str) -> str:
-        """`name` under the path `named_parameters()` gives its parameter.
+        """`name` under the path `named_modules()` gives its module (the one `named_parameters()` uses).
 
         Why: vLLM registers some modules under two parents (`SharedFusedMoE`
         holds the layer's router and shared experts inside its fused
@@ -113,6 +126,41 @@ class LayerwiseReload:
         if owner is None:
             return name
         return f"{owner}.{attribute}" if owner else attribute
+
+    def unfilled(self, reported: set[str]) -> Unfilled:
+        """What finalizing would leave without this update's bytes, in the layers that received part of theirs.
+
+        Why: the reload sees a load only through a tensor's `weight_loader`,
+        which it wraps to count and keep the bytes until the layer is whole; a
+        layer still waiting at the end is materialized uninitialized, given
+        what it kept, processed, and copied back into its kernel tensors,
+        persistent buffers included. So in such a layer a tensor it kept
+        nothing for is served as uninitialized memory, whether the stream left
+        it out (Apertus' xIELU `beta`) or the model's `load_weights` wrote it
+        itself with a bare `copy_` onto the meta tensor the reload put there,
+        reporting it loaded (vLLM's unquantized gpt-oss experts and attention
+        sinks). A layer that received nothing gets its old tensors back (the
+        update's parameter check names those), one already processed counted
+        every element, and attention layers are finalized on their own.
+        `reported`: the names `load` returned in this update.
+        """
+        bypassed, left_out = [], []
+        for path, module in self.model.named_modules():
+            info = LAYERWISE_INFO.get(module)
+            if (info is None or not info.can_load() or info.kernel_tensors is None
+                    or is_deferred_attention_layer(module) or _under(path, self._outside)):
+                continue
+            seen = {name for name, _ in info.loaded_weights}
+            kernel_buffers = info.kernel_tensors[1]
+            names = [name for name, tensor in (*module._parameters.items(), *module._buffers.items())
+                     if tensor is not None and tensor.is_meta and name not in seen
+                     and (name in module._parameters or (name in kernel_buffers
+                                                         and name not in info.kernel_non_persistent_buffers))]
+            full = [f"{path}.{name}" if path else name for name in names]
+            if seen or any(name in reported for name in full):
+                for name in full:
+                    (bypassed if name in reported else left_out).append(name)
+        return Unfilled(tuple(sorted(bypassed)), tuple(sorted(left_out)))
 
     def process_ready_aliases(self) -> None:
         """Process each tied alias whose source layer was processed: the source holds the shared Parameter again."""

@@ -12,8 +12,9 @@ what refit needs on top:
 
 - provenance: which scales each sync streamed, from the parameter names
   `load_weights` reports as loaded (not from what the trainer claims);
-- completeness: an update that left any weight of the model unloaded is
-  refused before it is finalized (a trainer missing a layer would otherwise
+- completeness: an update that left any weight of the model unloaded, or
+  that the reload would finalize without its bytes (`LayerwiseReload.unfilled`),
+  is refused before it is finalized (a trainer missing a layer would otherwise
   leave a mix of old and new weights that matches neither model);
 - `abandon`: closing a failed update so every layer is whole again (vLLM's
   worker drops its session flag on an error but leaves the layers in their
@@ -57,10 +58,9 @@ try:
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, SKIP_TENSORS
     from vllm.platforms import current_platform
 
-    from refit.engine.layerwise import LayerwiseReload, outermost  # vLLM's reload, with tied aliases kept out
+    from refit.engine.layerwise import LayerwiseReload, Unfilled, outermost  # vLLM's reload, with tied aliases kept out
 except ImportError as error:  # vLLM only logs a plugin that fails to import
     raise incompatible_vllm("weight-transfer backend", f"an import fails ({error})") from error
 from refit.plan.data_path import loadable_tensors
@@ -99,26 +99,29 @@ class DraftModel:
         self.model = model
         targets = {id(module) for module in target.modules()}
         shared = outermost([name for name, module in model.named_modules() if name and id(module) in targets])
-        self.shared = frozenset(f"{name}.{tensor}" for name in shared
-                                for tensor, _ in model.get_submodule(name).state_dict(keep_vars=True).items())
+        self.shared = tuple(f"{name}." for name in shared)
         self.reload = LayerwiseReload(model, model_config, owned_elsewhere=shared)
         self.provenance = ScaleProvenanceTracker(model)
         names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(model_config.model)
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
         self.loaded: set[str] = set()
+        self.expected: frozenset[str] = frozenset()
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load draft tensors named without the prefix; the first of an update opens the draft's reload."""
         if not self.reload.is_open:
             self.reload.open()
             self.loaded = set()
+            self.expected = frozenset(name for name in _expected_weights(self.model)
+                                      if not name.startswith(self.shared)) - self.reload.kept_out
         self.loaded |= self.reload.load(tensors)
 
-    def missing(self) -> list[str]:
-        """Draft weights this update left unloaded (none if it loaded none: the draft keeps its version)."""
+    def unfilled(self) -> tuple[list[str], Unfilled]:
+        """Draft weights this update left unloaded, and what its partly loaded layers would lack (none if it loaded
+        none: the draft keeps its version)."""
         if not self.reload.is_open:
-            return []
-        return sorted(_expected_weights(self.model) - self.shared - self.reload.kept_out - self.loaded)
+            return [], Unfilled((), ())
+        return sorted(self.expected - self.loaded), self.reload.unfilled(self.loaded)
 
     def finalize(self, streamed: set[str], version: int | None) -> None:
         if self.reload.is_open:
@@ -287,13 +290,23 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         An incomplete update raises with the reload still open, so the caller's
         `abandon` closes it and the replica refuses to serve.
         """
-        missing = sorted(self._expected - self._loaded)
-        missing += [DRAFT_PREFIX + name for name in (self.draft.missing() if self.draft is not None else [])]
+        unfilled = self._reload.unfilled(self._loaded)
+        draft_missing, draft_unfilled = self.draft.unfilled() if self.draft is not None else ([], Unfilled((), ()))
+        bypassed = [*unfilled.bypassed, *(DRAFT_PREFIX + name for name in draft_unfilled.bypassed)]
+        if bypassed:
+            raise EngineError(
+                f"vLLM's {type(self.model).__name__}.load_weights wrote {len(bypassed)} tensor(s) itself rather than "
+                f"through their weight loaders, e.g. {bypassed[:6]}: vLLM's layerwise reload never received those "
+                "bytes, and would serve uninitialized memory or what they held before; a limitation of this model's "
+                "loader in vLLM, so this replica will not serve the mix"
+            )
+        missing = sorted((self._expected - self._loaded) | set(unfilled.left_out))
+        missing += [DRAFT_PREFIX + name for name in sorted({*draft_missing, *draft_unfilled.left_out})]
         if missing:
             raise EngineError(
-                f"the update left {len(missing)} of the model's {len(self._expected)} weights unloaded, "
-                f"e.g. {missing[:6]}; the trainer's model lacks tensors the rollout's model has "
-                "(a different architecture or size?), so this replica will not serve the mix"
+                f"the update left {len(missing)} tensor(s) of the model unloaded, e.g. {missing[:6]}; the trainer's "
+                "model lacks tensors the rollout's model has (a different architecture or size?), so this replica "
+                "will not serve the mix"
             )
         self._finalize()
         self._plan = None
@@ -372,26 +385,11 @@ def _span(buffer: Any) -> tuple[int, int]:
 
 
 def _expected_weights(model: torch.nn.Module) -> frozenset[str]:
-    """The tensors an update must load: every parameter, and every persistent buffer of a module that has
-    parameters, except the attention layers' own (KV-cache scales, zero points: the post-refit stage owns those,
-    and a stream may or may not carry them). Called with the reload open, so the model is in loadable form.
-
-    Why buffers: vLLM's layerwise reload puts a module's buffers on the meta device with its parameters and,
-    once the module is processed, copies every persistent one back from the uninitialized memory it
-    materialized, loaded or not; a buffer the update leaves out is then served as garbage (Apertus' xIELU
-    `beta` and `eps`). A module with buffers only (rotary tables) that receives nothing gets its old ones back.
-    """
+    """Every parameter, in loadable form (the reload open), is one `load_weights` can report, except the attention
+    layers' own (KV-cache scales, zero points): the post-refit stage owns those, and a stream may or may not carry
+    them. Buffers: `LayerwiseReload.unfilled`."""
     attention = {name for name, module in model.named_modules() if is_attention_layer(module)}
-    params = {name for name, _ in model.named_parameters()}  # a tensor registered twice, under its first path
-    holders = {name.rpartition(".")[0] for name in params} - attention
-    buffers = set()
-    for name, _ in model.named_buffers():
-        owner, _, attribute = name.rpartition(".")
-        module = model.get_submodule(owner)
-        if (owner in holders and attribute not in module._non_persistent_buffers_set and attribute not in SKIP_TENSORS
-                and type(module).__name__ not in SKIP_MODULES):
-            buffers.add(name)
-    return frozenset(name for name in params if name.rpartition(".")[0] not in attention) | buffers
+    return frozenset(name for name, _ in model.named_parameters() if name.rpartition(".")[0] not in attention)
 
 
 def register() -> None:

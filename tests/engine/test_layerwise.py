@@ -12,7 +12,7 @@ import torch
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
-from refit.engine.layerwise import LayerwiseReload, outermost, tied_aliases
+from refit.engine.layerwise import LayerwiseReload, Unfilled, outermost, tied_aliases
 
 pytestmark = pytest.mark.engine  # imports vLLM
 
@@ -106,3 +106,64 @@ def test_a_weight_reported_under_a_modules_second_path_counts_under_its_first():
     model = Reporting()
     loaded = LayerwiseReload(model, model_config=None).load([("gate.weight", torch.ones(4, 4)), ("gate.bias", torch.ones(4))])
     assert loaded == {"gate.weight", "gate.bias"} == {name for name, _ in model.named_parameters()}
+
+
+class PartlyLoaded(torch.nn.Module):
+    """Layers an update can leave without its bytes: an attention sink the model's `load_weights` writes with a bare
+    `copy_` (vLLM's gpt-oss loader), an activation with a parameter beside a constant held as a buffer (vLLM's
+    xIELU) and a table, a module of buffers only, and a rotary-like module nothing is sent for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        self.attn = torch.nn.Module()
+        self.attn.sinks = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.act = torch.nn.Module()
+        self.act.alpha = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+        self.act.register_buffer("beta", torch.tensor(0.5))
+        self.act.register_buffer("table", torch.arange(4.0), persistent=False)
+        self.codes = torch.nn.Module()
+        self.codes.register_buffer("low", torch.zeros(2))
+        self.codes.register_buffer("high", torch.zeros(2))
+        self.rotary = torch.nn.Module()
+        self.rotary.register_buffer("cache", torch.ones(4))
+
+    def load_weights(self, weights):
+        tensors = dict(self.named_parameters()) | dict(self.named_buffers())
+        for name, value in weights:
+            if name.endswith("sinks"):
+                tensors[name].data.copy_(value)
+            else:
+                tensors[name].weight_loader(tensors[name], value)
+        return {name for name, _ in weights}
+
+
+def test_what_a_partly_loaded_layer_would_lack_is_named_and_why():
+    """A layer still waiting for tensors at the end is materialized uninitialized and copied back: a tensor the
+    stream left out (a buffer too: Apertus' xIELU `beta`, regression: served as NaN) or one `load_weights` wrote past
+    the reload (gpt-oss' sinks and experts in vLLM 0.32, regression: served the dummy values, the sync reported
+    success) would be served without the update's bytes. A module sent nothing gets its old tensors back."""
+    model = PartlyLoaded()
+    record_metadata_for_reloading(model)
+    reload = LayerwiseReload(model, model_config=None)
+    reload.open()
+    loaded = reload.load([("proj.weight", torch.full((4, 4), 2.0)), ("attn.sinks", torch.ones(4)),
+                          ("act.alpha", torch.full((1,), 3.0)), ("codes.low", torch.ones(2))])
+    assert loaded == {"proj.weight", "attn.sinks", "act.alpha", "codes.low"}
+    assert reload.unfilled(loaded) == Unfilled(bypassed=("attn.sinks",), left_out=("act.beta", "codes.high"))
+    reload.close()
+    assert torch.equal(model.proj.weight, torch.full((4, 4), 2.0))  # whole, so processed when its weight came
+    assert torch.equal(model.attn.sinks, torch.zeros(4))  # the bare copy_ kept nothing: the old values are back
+    assert torch.equal(model.rotary.cache, torch.ones(4))
+
+
+def test_an_update_that_filled_every_layer_it_touched_lacks_nothing():
+    model = PartlyLoaded()
+    record_metadata_for_reloading(model)
+    reload = LayerwiseReload(model, model_config=None)
+    reload.open()
+    loaded = reload.load([("act.alpha", torch.ones(1)), ("act.beta", torch.tensor(0.25)), ("codes.low", torch.ones(2)),
+                          ("codes.high", torch.ones(2))])
+    assert reload.unfilled(loaded) == Unfilled((), ())
+    reload.close()
+    assert float(model.act.beta) == 0.25 and torch.equal(model.act.table, torch.arange(4.0))

@@ -159,11 +159,29 @@ def test_an_update_that_leaves_out_a_buffer_the_engine_loads_is_refused_and_neve
     replica = actors_factory.rollout(fp8, node=1, **FP8_KV)
     liar = actors_factory.keep(DroppingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(bf16), "model.layers.1.mlp.act_fn.beta"))
-    with pytest.raises(refit.EngineError, match=r"left 1 of the model's \d+ weights unloaded.*model\.layers\.1\.mlp\.act_fn\.beta'"):
+    with pytest.raises(refit.EngineError, match=r"left 1 tensor\(s\) of the model unloaded.*model\.layers\.1\.mlp\.act_fn\.beta'"):
         refit.Syncer(liar, [replica], refit.SyncConfig(verify="off")).sync()
     assert status(replica).phase is Phase.REFUSING
     report = refit.sync(actors_factory.trainer(bf16), replica)
     assert report.replicas[0].served_version == report.version
+
+
+def test_a_model_whose_vllm_loader_writes_tensors_itself_is_refused_naming_them(actors_factory, tmp_path):
+    """vLLM 0.32's gpt-oss `load_weights` writes its experts and attention sinks with a bare `copy_`, which vLLM's
+    layerwise reload never sees (vLLM PR 57795): regression: the sync reported success and the replica served its
+    dummy experts and sinks beside new attention weights. Refused at finish now, naming them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    config = AutoConfig.for_model("gpt_oss", **TINY, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+                                  sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    replica = actors_factory.rollout(tmp_path / "bf16", node=1, load_format="dummy")
+    with pytest.raises(refit.EngineError, match=r"GptOssForCausalLM\.load_weights wrote \d+ tensor\(s\) itself.*"
+                                                r"model\.layers\.0\.attn\.sinks"):
+        refit.sync(actors_factory.trainer(tmp_path / "bf16"), replica)
+    assert status(replica).phase is Phase.REFUSING
 
 
 def assert_synced_away_and_back(replica, other, same) -> None:
