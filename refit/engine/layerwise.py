@@ -47,6 +47,16 @@ such methods have no kernel, so each layer's processing packs its new
 weights as the first load did and the reload copies the packed values into
 the original storage; `close` gives each method back the kernel it had,
 which reads those Parameters.
+
+And one view must be refreshed after the reload, on a CPU: **Mamba2's conv
+weights.** `MambaMixer2` keeps `conv_weights`, a view of its `conv1d`
+weight taken when the model was built, and its kernels read that view.
+vLLM's CPU GEMM dispatch then packs the conv weight into new storage,
+keeping the (dim, width) form as `_cpu_unpacked_conv_weight`. A first load
+fills the view before the packing; a reload copies the new weight into the
+packed storage only, so the view kept the first load's values (a synced
+Granite 4.0-H or Falcon-H1 served its old convolutions). `close` copies the
+unpacked weight into each such view (`_refresh_conv_views`).
 """
 
 from __future__ import annotations
@@ -183,6 +193,7 @@ class LayerwiseReload:
         pending, self._pending = self._pending, {}
         for alias in pending:
             alias.quant_method.process_weights_after_loading(alias)
+        _refresh_conv_views(self.model)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
@@ -217,6 +228,18 @@ def _cpu_packed_experts(model: torch.nn.Module) -> list[Any]:
         if isinstance(method, UnquantizedFusedMoEMethod) and isinstance(experts, CPUUnquantizedExperts):
             methods.append(method)
     return methods
+
+
+def _refresh_conv_views(model: torch.nn.Module) -> None:
+    """Copy each CPU-packed conv weight's unpacked form into the `conv_weights` view its mixer reads, where the
+    packing left that view behind in the weight's old storage (the module docstring)."""
+    for module in model.modules():
+        conv = getattr(module, "conv1d", None)
+        unpacked = getattr(conv, "_cpu_unpacked_conv_weight", None)
+        view = module._buffers.get("conv_weights")
+        if (unpacked is not None and view is not None and view.shape == unpacked.shape
+                and view.untyped_storage().data_ptr() != conv.weight.untyped_storage().data_ptr()):
+            view.copy_(unpacked)
 
 
 def _first_paths(model: torch.nn.Module) -> dict[str, str]:

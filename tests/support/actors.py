@@ -273,6 +273,11 @@ def engine_tensors(rollout) -> dict[str, str]:
     return rollout.engine.llm.collective_rpc(lambda worker: _tensor_hashes(worker.model_runner.model, buffers=True))[0]
 
 
+def engine_buffer(rollout, name: str) -> torch.Tensor:
+    """Run in a `RolloutActor`: a copy of one buffer of its engine's model."""
+    return rollout.engine.llm.collective_rpc(lambda worker: worker.model_runner.model.get_buffer(name).clone())[0]
+
+
 def _tensor_hashes(model: torch.nn.Module, buffers: bool = False) -> dict[str, str]:
     tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
     return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest() for name, p in tensors}

@@ -89,6 +89,13 @@ def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | 
     """A random bf16 model of transformers `config` (changed by `edit` before it is saved) and its FP8_BLOCK checkpoint
     in the scheme of checkpoint `like` (`ignore`: as `write_fp8_block_checkpoint`'s): `(bf16 dir, fp8 dir)` under
     `out_dir`."""
+    bf16 = write_random_bf16(config, out_dir, seed=seed, edit=edit)
+    return bf16, write_fp8_block_checkpoint(bf16, Path(out_dir) / "fp8_block", like=like, ignore=ignore)
+
+
+def write_random_bf16(config: object, out_dir: str | Path, *, seed: int,
+                      edit: Callable[[object], None] | None = None) -> Path:
+    """A random bf16 model of transformers `config` (changed by `edit` before it is saved), in `out_dir`/bf16."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,4 +105,4 @@ def write_random(config: object, out_dir: str | Path, *, seed: int, like: str | 
     if edit is not None:
         edit(model)
     model.save_pretrained(bf16)
-    return bf16, write_fp8_block_checkpoint(bf16, Path(out_dir) / "fp8_block", like=like, ignore=ignore)
+    return bf16

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pytest
 import ray
+import torch
 
 import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from refit.provenance import ScaleSource
-from tests.support.actors import engine_state, engine_tensors, run_in
-from tests.support.checkpoints import TINY, TINY_ROUTED_MOE, write_random, write_variant
+from tests.support.actors import engine_buffer, engine_state, engine_tensors, parameter, run_in
+from tests.support.checkpoints import TINY, TINY_ROUTED_MOE, write_random, write_random_bf16, write_variant
 from tests.support.faults import DroppingTrainer
 from tests.support.serving import assert_serves, status
 
@@ -114,8 +115,6 @@ def test_a_bf16_moe_rollout_loads_every_expert_as_its_checkpoint_does(actors_fac
 
 def _random_router_biases(model) -> None:
     """Router biases far from their zero init, so that a replica routing by any other values picks other experts."""
-    import torch
-
     generator = torch.Generator().manual_seed(3)
     biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers
               if hasattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias")]
@@ -170,18 +169,32 @@ def test_a_model_whose_vllm_loader_writes_tensors_itself_is_refused_naming_them(
     """vLLM 0.32's gpt-oss `load_weights` writes its experts and attention sinks with a bare `copy_`, which vLLM's
     layerwise reload never sees (vLLM PR 57795): regression: the sync reported success and the replica served its
     dummy experts and sinks beside new attention weights. Refused at finish now, naming them."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    torch.manual_seed(7)
-    config = AutoConfig.for_model("gpt_oss", **TINY, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
-                                  sliding_window=64, layer_types=["sliding_attention", "full_attention"])
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    replica = actors_factory.rollout(tmp_path / "bf16", node=1, load_format="dummy")
+    bf16 = write_random_bf16(AutoConfig.for_model("gpt_oss", **TINY, head_dim=64, num_local_experts=4,
+                                                  num_experts_per_tok=2, sliding_window=64,
+                                                  layer_types=["sliding_attention", "full_attention"]), tmp_path, seed=7)
+    replica = actors_factory.rollout(bf16, node=1, load_format="dummy")
     with pytest.raises(refit.EngineError, match=r"GptOssForCausalLM\.load_weights wrote \d+ tensor\(s\) itself.*"
                                                 r"model\.layers\.0\.attn\.sinks"):
-        refit.sync(actors_factory.trainer(tmp_path / "bf16"), replica)
+        refit.sync(actors_factory.trainer(bf16), replica)
     assert status(replica).phase is Phase.REFUSING
+
+
+def test_a_mamba2_hybrids_new_convolutions_reach_the_view_its_kernels_read(actors_factory, tmp_path):
+    """On a CPU vLLM packs each Mamba2 conv weight into new storage, and `MambaMixer2`'s kernels read a view of the
+    old one (regression: a synced Granite 4.0-H served its first load's convolutions, logprobs 0.56 away from a
+    fresh engine's; Falcon-H1 0.14)."""
+    from transformers import AutoConfig
+
+    bf16 = write_random_bf16(AutoConfig.for_model(
+        "granitemoehybrid", **TINY, layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=512,
+        mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_expand=2), tmp_path, seed=7)
+    trainer = actors_factory.trainer(bf16)
+    replica = actors_factory.rollout(bf16, node=1, load_format="dummy")
+    refit.sync(trainer, replica)
+    weight = run_in(trainer, parameter, "model.layers.0.mamba.conv1d.weight")
+    assert torch.equal(run_in(replica, engine_buffer, "model.layers.0.mamba.conv_weights"), weight.squeeze(1))
 
 
 def assert_synced_away_and_back(replica, other, same) -> None:
