@@ -98,7 +98,10 @@ class DraftModel:
     def __init__(self, model: torch.nn.Module, model_config: Any, load_format: str, target: torch.nn.Module) -> None:
         self.model = model
         targets = {id(module) for module in target.modules()}
-        shared = outermost([name for name, module in model.named_modules() if name and id(module) in targets])
+        # Every path: vLLM places the target's head in an MTP drafter twice (`lm_head`, `shared_head.head`), and a
+        # path left attached would put the target's processed head back in loadable form under the draft's reload.
+        shared = outermost([name for name, module in model.named_modules(remove_duplicate=False)
+                            if name and id(module) in targets])
         self.shared = tuple(f"{name}." for name in shared)
         self.reload = LayerwiseReload(model, model_config, owned_elsewhere=shared)
         self.provenance = ScaleProvenanceTracker(model)
@@ -293,21 +296,24 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         unfilled = self._reload.unfilled(self._loaded)
         draft_missing, draft_unfilled = self.draft.unfilled() if self.draft is not None else ([], Unfilled((), ()))
         bypassed = [*unfilled.bypassed, *(DRAFT_PREFIX + name for name in draft_unfilled.bypassed)]
-        if bypassed:
-            raise EngineError(
-                f"vLLM's {type(self.model).__name__}.load_weights wrote {len(bypassed)} tensor(s) itself rather than "
-                f"through their weight loaders, e.g. {bypassed[:6]}: vLLM's layerwise reload never received those "
-                "bytes, and would serve uninitialized memory or what they held before; a limitation of this model's "
-                "loader in vLLM, so this replica will not serve the mix"
-            )
         missing = sorted((self._expected - self._loaded) | set(unfilled.left_out))
         missing += [DRAFT_PREFIX + name for name in sorted({*draft_missing, *draft_unfilled.left_out})]
-        if missing:
-            raise EngineError(
-                f"the update left {len(missing)} tensor(s) of the model unloaded, e.g. {missing[:6]}; the trainer's "
-                "model lacks tensors the rollout's model has (a different architecture or size?), so this replica "
-                "will not serve the mix"
+        problems = []
+        if bypassed:
+            loaders = [f"{type(model).__name__}.load_weights" for model, names in
+                       ((self.model, unfilled.bypassed), (self.draft and self.draft.model, draft_unfilled.bypassed)) if names]
+            problems.append(
+                f"vLLM's {' and '.join(loaders)} wrote {len(bypassed)} tensor(s) itself rather than through their weight "
+                f"loaders, e.g. {bypassed[:6]}: vLLM's layerwise reload never received those bytes, and would serve "
+                "uninitialized memory or what they held before (a limitation of that loader in vLLM)"
             )
+        if missing:
+            problems.append(
+                f"the update left {len(missing)} tensor(s) of the model unloaded, e.g. {missing[:6]}; the trainer's "
+                "model lacks tensors the rollout's model has (a different architecture or size?)"
+            )
+        if problems:
+            raise EngineError("; and ".join(problems) + ", so this replica will not serve the mix")
         self._finalize()
         self._plan = None
         if self._keep_base:
