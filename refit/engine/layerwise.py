@@ -83,7 +83,7 @@ class Unfilled:
     """Tensors of partly loaded layers that an update would leave without its bytes (`LayerwiseReload.unfilled`)."""
 
     bypassed: tuple[str, ...]  # reported loaded by `load_weights`, written past the reload's loaders
-    left_out: tuple[str, ...]  # never loaded: the stream did not carry them
+    left_out: tuple[str, ...]  # never loaded: the stream did not carry them, or `load_weights` skipped them
 
 
 class LayerwiseReload:
@@ -150,8 +150,9 @@ class LayerwiseReload:
         itself with a bare `copy_` onto the meta tensor the reload put there,
         reporting it loaded (vLLM's unquantized gpt-oss experts and attention
         sinks). A layer that received nothing gets its old tensors back (the
-        update's parameter check names those), one already processed counted
-        every element, and attention layers are finalized on their own.
+        update's parameter check names those), one already processed had
+        counted every element it expected, and attention layers are finalized
+        on their own.
         `reported`: the names `load` returned in this update.
         """
         bypassed, left_out = [], []
