@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 
-__all__ = ["TINY", "TINY_ROUTED_MOE", "write_fewer_layers", "write_fp8_block_checkpoint", "write_random", "write_variant"]
+__all__ = ["TINY", "TINY_ROUTED_MOE", "write_fewer_layers", "write_fp8_block_checkpoint", "write_random", "write_random_bf16",
+           "write_variant"]
 
 
 def write_fp8_block_checkpoint(bf16_dir: str | Path, out_dir: str | Path, *, like: str | Path,
