@@ -1,6 +1,6 @@
 """The server replica's parts that need no server: `refit serve`'s additions to `vllm serve`'s options and its key,
 the worker end of `refit_call` (JSON only, an allow-list), and what the replica does with an answer that is not a
-refit server's (the real server is tests/sync/test_server_rollout.py and tests/sync/test_server_security.py)."""
+refit server's (the real server is tests/sync/test_server_rollout.py)."""
 
 import asyncio
 import base64

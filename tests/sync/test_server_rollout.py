@@ -1,21 +1,34 @@
-"""A real `vllm serve` server (started with `refit serve`) synced by `refit.Syncer` as a replica, and used over HTTP.
+"""A real `vllm serve` server (started with `refit serve`) synced by `refit.Syncer` as a replica, used over HTTP,
+and its protections (issue #45): loopback by default, a key on every route, no pickle across HTTP, and no
+user's request on unchecked weights.
 
-One server for the module (an engine start costs ~11 CPU-s and over a minute
-on a busy two-core machine), started the seed bug's way (FP8_BLOCK,
-`--load-format dummy`, `--kv-cache-dtype fp8_e4m3`) while the Ray cluster,
-the trainer and the reference `RolloutActor` start. Both replicas are synced
-from the same trainer over the collective transport; the server is then
-queried as its users query it, over its OpenAI API, and must serve what
-the reference serves. The last two tests kill the server mid-sync (its
-fleet drops it), then restart it on the same port.
+One server start costs ~11 CPU-s and over a minute on a busy two-core
+machine, so the module makes do with two, both started the seed bug's way
+(FP8_BLOCK, `--load-format dummy`, `--kv-cache-dtype fp8_e4m3`: its
+placeholder KV scales make vLLM's CPU attention die on the first request
+they serve). The first starts while the Ray cluster, the trainer and the
+reference `RolloutActor` start. Both replicas are synced from the same
+trainer over the collective transport; the server is then queried as its
+users query it, over its OpenAI API, and must serve what the reference
+serves. Then the server is killed mid-sync (its fleet drops it), and a
+second server is started on the same port: the protections are checked on
+it while it has never been synced, then it is synced while users'
+requests are held, and last the old replica names the restart and the
+new server is hung and killed after its replica began an update.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
 import os
+import pickle
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import ray
@@ -25,9 +38,10 @@ import refit
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
-from tests.support.actors import STARTUP_S, started
+from tests.support.actors import STARTUP_S, run_in, started
+from tests.support.faults import tamper_next_stream
 from tests.support.lora import LORA
-from tests.support.server import RefitServer, ServerSignalledAfterBegin, free_port
+from tests.support.server import RefitServer, ServerHoldingUsers, ServerSignalledAfterBegin, free_port
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
 COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
@@ -191,48 +205,196 @@ def test_a_fleet_drops_its_server_killed_mid_sync_and_takes_a_replica_that_joins
     assert state.phase is not Phase.UPDATING  # the dropped replica closed its update: serving, or refusing
 
 
-def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, module_actors,
-                                                                                            shared_replicas, tmp_path, caplog):
-    """After the kill above: a server on the same URL is another server; the old replica says so, a new one syncs it.
+# -- a second server on the same port, never synced: its protections (issue #45), then its first sync -------------
+
+USER_PROMPTS = make_prompts(4, PROMPT_LEN, seed=45)
+HELD_COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=120)  # users' requests are held through it
+
+
+@pytest.fixture(scope="module")
+def restarted(server, tmp_path_factory, ray_cluster):
+    """A new server where the killed one was (same port and key): the module's first is gone by now (stopped again
+    in case the test that kills it did not get that far), and no sync has reached this one yet.
+
+    Requests `ray_cluster` so that the tests using it are engine tests: the suite's order keeps the file's."""
+    server.stop()
+    started = RefitServer(server.model, SERVER_OPTIONS, tmp_path_factory.mktemp("restarted") / "serve.log",
+                          port=server.port, api_key=server.api_key)
+    try:
+        started.wait_until_healthy(SERVER_START_WITHIN_S)
+        yield started
+    finally:
+        started.stop()
+
+
+class _Marker:
+    """Unpickling it runs `touch PATH`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _status(server: RefitServer, verb: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json", **({} if key is None else {"Authorization": f"Bearer {key}"})}
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, method=verb, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _completion(server: RefitServer, prompt: list[int]) -> dict:
+    return {"model": server.model, "prompt": [prompt], "max_tokens": NEW_TOKENS, "temperature": 0.0,
+            "return_token_ids": True}
+
+
+def test_a_default_refit_serve_listens_on_loopback_only(restarted):
+    """No --host (tests/support/server.py passes none): the listening socket is 127.0.0.1's, in no other address."""
+    port = f"{restarted.port:04X}"
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and local.endswith(f":{port}"):  # LISTEN
+                    listening.append((table, local.split(":")[0]))
+    assert listening == [("/proc/net/tcp", "0100007F")], listening  # 127.0.0.1, little-endian; no IPv6 socket
+
+
+ROUTES = [
+    ("POST", "/collective_rpc", {"method": "refit_call", "args": ["{}"]}),
+    ("POST", "/pause?mode=abort", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
+    ("POST", "/update_weight_version", {"new_version": "forged"}), ("GET", "/weight_info", None),
+    ("GET", "/health", None), ("POST", "/v1/completions", {"model": "m", "prompt": [[1, 2]], "max_tokens": 1}),
+    ("GET", "/v1/models", None), ("POST", "/reset_prefix_cache", None), ("POST", "/abort_requests", {}),
+    ("POST", "/sleep?level=1", None), ("GET", "/metrics", None), ("POST", "/refit/hold", None),
+    ("POST", "/refit/release?synced=1", None), ("GET", "/refit/state", None),
+]
+
+
+def test_without_the_key_or_with_a_wrong_one_every_route_is_refused_and_nothing_changes(restarted):
+    def observed() -> tuple:
+        return restarted.json("/weight_info"), restarted.json("/is_paused"), restarted.json("/refit/state")
+
+    before = observed()
+    assert before[2]["awaiting_first_sync"] and not before[2]["held"] and before[1] == {"is_paused": False}
+    for verb, path, body in ROUTES:
+        status, text = _status(restarted, verb, path, body)
+        assert status == 401 and json.loads(text)["error"].startswith("missing API key"), (path, status, text)
+        status, text = _status(restarted, verb, path, body, key=restarted.api_key + "x")
+        assert status == 403 and json.loads(text)["error"].startswith("wrong API key"), (path, status, text)
+    assert observed() == before
+    status, text = _status(restarted, "POST", "/v1/completions", _completion(restarted, USER_PROMPTS[0]), key=restarted.api_key)
+    assert status == 503 and "started with --load-format dummy" in json.loads(text)["error"]  # placeholders: never served
+    assert observed() == before and restarted.process.poll() is None
+
+
+def test_a_pickled_payload_to_the_worker_rpc_runs_nothing_with_or_without_the_key(restarted, tmp_path):
+    marker = tmp_path / "ran"
+    version = restarted.json("/weight_info")["weight_version"]
+    pickled = base64.b64encode(pickle.dumps(_Marker(str(marker)))).decode("ascii")
+    for method in ("refit_call", "refit_expect_plan"):  # refit's entry point, and the one that took a pickled plan
+        body = {"method": method, "args": [pickled, "collective", False][: 1 if method == "refit_call" else 3]}
+        assert _status(restarted, "POST", "/collective_rpc", body)[0] == 401
+        status, text = _status(restarted, "POST", "/collective_rpc", body, key=restarted.api_key)
+        if method == "refit_call":
+            (reply,) = json.loads(text)["results"]
+            assert json.loads(reply) == {"ok": False, "type": "ConfigError", "message": (
+                'refit_call takes a JSON string {"method": ..., "args": [...]}; nothing else is accepted')}
+        else:  # vLLM's route calls it directly: the plan is refused as data, a worker's error
+            assert status >= 400, (status, text)
+    assert not marker.exists()
+    assert restarted.json("/weight_info")["weight_version"] == version and restarted.process.poll() is None
+
+
+def test_requests_sent_during_a_dummy_servers_first_sync_wait_for_its_kv_stage(restarted, module_actors):
+    """Users' requests sent once the first sync began are held by the gate: none runs on the placeholder KV scales
+    (which would kill vLLM's engine) or before the KV stage and the weight version; all complete after the sync."""
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    bodies = [_completion(restarted, prompt) for prompt in USER_PROMPTS]
+    replica = module_actors.keep(ServerHoldingUsers.options(resources={"node2": 0.01}).remote(
+        restarted.url, restarted.api_key, bodies))
+    report = refit.sync(trainer, replica, HELD_COLLECTIVE)
+    timeline = ray.get(replica.timeline.remote(), timeout=600)
+    answers = timeline["answers"]
+    assert all(isinstance(a, dict) for a in answers), answers
+    assert timeline["stage_at"] is not None and timeline["marked_at"] is not None
+    assert min(timeline["answered_at"]) > timeline["marked_at"] > timeline["stage_at"]
+    tokens = [a["choices"][0]["token_ids"] for a in answers]
+    assert accuracy(USER_PROMPTS, tokens) >= 0.9  # the trainer's model, with valid KV scales
+    assert restarted.json("/weight_info")["weight_version"] == str(report.version)
+    assert restarted.json("/refit/state") == {"refit_gate": True, "held": False, "in_flight": 0, "waiting": 0,
+                                           "awaiting_first_sync": False, "refusing": None}
+    again = restarted.json("/v1/completions", _completion(restarted, USER_PROMPTS[0]))
+    assert again["choices"][0]["token_ids"] == tokens[0] and restarted.process.poll() is None
+
+
+def test_a_server_a_failed_sync_left_refusing_answers_users_503_until_the_next_sync_heals_it(restarted, module_actors):
+    """Bytes altered mid-stream: the buckets before them were loaded, so the model is a mix and the replica refuses.
+    Users reach the server directly, so its gate must refuse them too (not only `status()`), until a verified sync."""
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    replica = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url, restarted.api_key))
+    syncer = refit.Syncer(trainer, [replica], dataclasses.replace(HELD_COLLECTIVE, bucket_bytes=256 << 10, delta="off"))
+    try:
+        syncer.sync()
+        assert len(syncer.plan().buckets) > 2
+        run_in(trainer, tamper_next_stream, "forged", 1)
+        with pytest.raises(refit.VerificationError, match=r"bucket 1 arrived altered"):
+            syncer.sync()
+        assert ray.get(replica.status.remote(), timeout=120).phase is refit.Phase.REFUSING
+        status, body = _status(restarted, "POST", "/v1/completions", _completion(restarted, USER_PROMPTS[0]), key=restarted.api_key)
+        assert status == 503 and "refuses to serve until its next verified sync: loading a bucket failed" in body, body
+        report = syncer.sync()
+        answer = restarted.json("/v1/completions", _completion(restarted, USER_PROMPTS[0]))
+        assert accuracy(USER_PROMPTS[:1], [answer["choices"][0]["token_ids"]]) == 1.0
+        assert restarted.json("/refit/state")["refusing"] is None
+        assert restarted.json("/weight_info")["weight_version"] == str(report.version)
+    finally:
+        syncer.close()
+
+
+def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, restarted, synced,
+                                                                                            module_actors, shared_replicas, caplog):
+    """After the kill above: the server on the same URL is another; the old replica says so, a new one syncs it.
 
     Then that server hangs, and later dies, after its replica began an update, as the sync forms a new
     collective group: the replica's actor answers, but it is lost all the same, and the survivor serves the sync.
     """
     trainer, _, replica, _, _ = synced
-    restarted = RefitServer(server.model, SERVER_OPTIONS, tmp_path / "serve.log", port=server.port, api_key=server.api_key)
-    try:
-        restarted.wait_until_healthy(SERVER_START_WITHIN_S)
-        with pytest.raises(refit.ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
-            refit.sync(trainer, replica, COLLECTIVE)
-        fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url, restarted.api_key))
-        report = refit.sync(trainer, fresh, COLLECTIVE)
-        assert restarted.json("/weight_info")["weight_version"] == str(report.version)
-        assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
+    with pytest.raises(refit.ServerError, match=rf"the server at {server.url} restarted since .*create a new actors.ServerRollout"):
+        refit.sync(trainer, replica, COLLECTIVE)
+    fresh = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url, restarted.api_key))
+    report = refit.sync(trainer, fresh, COLLECTIVE)
+    assert restarted.json("/weight_info")["weight_version"] == str(report.version)
+    assert accuracy(PROMPTS, [c["token_ids"] for c in completions(restarted, PROMPTS)]) >= 0.9
 
-        other, _ = shared_replicas
-        # Killed, it must not be waited out: a long deadline that the sync must end well within.
-        patient = refit.SyncConfig(transport="collective", timeout_s=300)
-        for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, patient, "died")):
-            failing = started(module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
-                restarted.url, restarted.api_key, restarted.process.pid, signum)))
-            caplog.clear()
-            try:
-                with refit.Syncer(trainer, [other, failing], config) as syncer:
-                    report = syncer.sync()
-            finally:
-                if signum == signal.SIGSTOP:
-                    os.killpg(restarted.process.pid, signal.SIGCONT)
-                    # Let the calls the hung server held up drain (their own errors are not this test's).
-                    ray.wait([failing.leave_transport.remote()], timeout=120)
-            (dropped,) = report.dropped
-            assert (dropped.replica, dropped.stage, dropped.cause) == (1, "connect", cause), dropped
-            assert restarted.url in dropped.error
-            assert [r.replica for r in report.replicas] == [0] and report.attempts == 2
-            # Lost as the group formed, it is not asked to leave it: hung, it would hold the sync another deadline.
-            assert not [r for r in caplog.records if r.getMessage().startswith("rollout 1 could not leave")], caplog.text
-            assert ray.get(other.status.remote(), timeout=120).served_version == report.version
-            if signum == signal.SIGKILL:
-                # The others were told the group would not form, rather than waiting out its deadline for the dead server.
-                assert report.total_seconds < config.timeout_s
-    finally:
-        restarted.stop()
+    other, _ = shared_replicas
+    # Killed, it must not be waited out: a long deadline that the sync must end well within.
+    patient = refit.SyncConfig(transport="collective", timeout_s=300)
+    for signum, config, cause in ((signal.SIGSTOP, QUICK, "missed the deadline"), (signal.SIGKILL, patient, "died")):
+        failing = started(module_actors.keep(ServerSignalledAfterBegin.options(resources={"node2": 0.01}).remote(
+            restarted.url, restarted.api_key, restarted.process.pid, signum)))
+        caplog.clear()
+        try:
+            with refit.Syncer(trainer, [other, failing], config) as syncer:
+                report = syncer.sync()
+        finally:
+            if signum == signal.SIGSTOP:
+                os.killpg(restarted.process.pid, signal.SIGCONT)
+                # Let the calls the hung server held up drain (their own errors are not this test's).
+                ray.wait([failing.leave_transport.remote()], timeout=120)
+        (dropped,) = report.dropped
+        assert (dropped.replica, dropped.stage, dropped.cause) == (1, "connect", cause), dropped
+        assert restarted.url in dropped.error
+        assert [r.replica for r in report.replicas] == [0] and report.attempts == 2
+        # Lost as the group formed, it is not asked to leave it: hung, it would hold the sync another deadline.
+        assert not [r for r in caplog.records if r.getMessage().startswith("rollout 1 could not leave")], caplog.text
+        assert ray.get(other.status.remote(), timeout=120).served_version == report.version
+        if signum == signal.SIGKILL:
+            # The others were told the group would not form, rather than waiting out its deadline for the dead server.
+            assert report.total_seconds < config.timeout_s
