@@ -96,8 +96,23 @@ def pytest_configure_node(node) -> None:
     node.workerinput[_SHARED_CLUSTER_ADDRESS] = _controller_address
 
 
+_segment_watcher = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the process that runs the session (the xdist controller, or the only one): watch for shared-memory
+    segments its processes leave behind (tests/support/shm_hygiene.py)."""
+    global _segment_watcher
+    if not hasattr(config, "workerinput") and _segment_watcher is None:
+        from tests.support.shm_hygiene import SegmentWatcher
+
+        _segment_watcher = SegmentWatcher()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     _controller_cluster.close()
+    if _segment_watcher is not None:
+        _segment_watcher.stop()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""Unlink the shared-memory segments that this test session's processes leave behind.
+
+vLLM's engines talk to their workers through `multiprocessing.shared_memory`
+ring buffers (`/dev/shm/psm_*`, 160-240 MiB each, sparse), tensor-parallel
+CPU workers through `vllm_dist_*` files, and multiprocessing's semaphores
+live there too (`sem.*`); the process that made one unlinks it when it shuts
+down. Tests kill engines with SIGKILL (a crash is what they test), so
+nothing unlinks those, and every run of the suite left dozens in the
+machine's `/dev/shm`.
+
+`SegmentWatcher` records, every few seconds, the files in `/dev/shm` that processes
+of this session (the pytest process and its descendants: xdist workers, the
+Ray cluster's nodes and workers, `vllm serve` subprocesses, engine cores)
+have mapped. At the end of the session, each recorded segment that no
+process maps any more is unlinked. A segment only another session's
+processes ever mapped is never recorded, so never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import psutil
+
+__all__ = ["SegmentWatcher", "mapped_segments"]
+
+SHM = Path("/dev/shm")
+_PREFIX = b"/dev/shm/"
+_UNLINKED = b" (deleted)"
+
+
+def mapped_segments(pids: list[int]) -> set[str]:
+    """The names of the `/dev/shm` files mapped by the processes `pids` (those that still exist and may be read),
+    but for files already unlinked."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        start = maps.find(_PREFIX)
+        while start != -1:
+            end = maps.find(b"\n", start)
+            path = maps[start + len(_PREFIX):end if end != -1 else len(maps)]
+            if not path.endswith(_UNLINKED):
+                names.add(path.decode(errors="surrogateescape"))
+            start = maps.find(_PREFIX, start + 1)
+    return names
+
+
+class SegmentWatcher:
+    """Records the segments this process's descendants map, every `interval_s`; `stop()` unlinks the orphaned ones.
+
+    `stop` returns the names it unlinked. Only segments still present, recorded as this session's and mapped by no
+    process on the machine are unlinked: a live engine of another session keeps its segments mapped.
+    """
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.recorded: set[str] = set()
+        self._root = psutil.Process(os.getpid())
+        self._stopped = threading.Event()
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._watch, name="shm-hygiene", daemon=True)
+        self._thread.start()
+
+    def record(self) -> None:
+        try:
+            pids = [self._root.pid, *(child.pid for child in self._root.children(recursive=True))]
+        except psutil.Error:
+            return
+        self.recorded |= mapped_segments(pids)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            self.record()
+
+    def stop(self) -> list[str]:
+        self._stopped.set()
+        self._thread.join()
+        self.record()
+        present = [name for name in sorted(self.recorded) if (SHM / name).exists()]
+        if not present:
+            return []
+        in_use = mapped_segments(psutil.pids())
+        unlinked = []
+        for name in present:
+            if name not in in_use:
+                try:
+                    (SHM / name).unlink()
+                    unlinked.append(name)
+                except OSError:
+                    pass
+        return unlinked

@@ -1,0 +1,73 @@
+"""The session's shared-memory watcher unlinks what its killed processes left, and nothing anyone still maps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from tests.support.shm_hygiene import SHM, SegmentWatcher, mapped_segments
+
+# Makes a segment, as vLLM's engines do, says its name, and waits to be killed.
+HOLDER = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+resource_tracker.unregister(segment._name, "shared_memory")  # as in a process killed with its tracker: nothing unlinks it
+print(segment.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _holder() -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    return process, process.stdout.readline().strip()
+
+
+def test_a_killed_descendants_segment_is_unlinked_and_a_live_ones_is_kept():
+    watcher = SegmentWatcher(interval_s=3600)  # recorded below, by hand
+    killed, killed_name = _holder()
+    alive, alive_name = _holder()
+    try:
+        watcher.record()
+        assert {killed_name, alive_name} <= watcher.recorded
+        assert mapped_segments([killed.pid]) == {killed_name}
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert (SHM / killed_name).exists()  # left behind
+        assert watcher.stop() == [killed_name]
+        assert not (SHM / killed_name).exists() and (SHM / alive_name).exists()
+    finally:
+        for process in (killed, alive):
+            process.kill()
+            process.wait(timeout=30)
+        for name in (killed_name, alive_name):
+            (SHM / name).unlink(missing_ok=True)
+
+
+# Starts a holder and exits at once: the holder is left to init, outside this process's tree, like another session's.
+ORPHANING = f"""
+import subprocess, sys
+holder = subprocess.Popen([sys.executable, "-c", {HOLDER!r}])
+print(holder.pid, flush=True)
+"""
+
+
+def test_a_segment_only_processes_outside_the_session_map_is_never_recorded_nor_unlinked():
+    watcher = SegmentWatcher(interval_s=3600)
+    parent = subprocess.Popen([sys.executable, "-c", ORPHANING], stdout=subprocess.PIPE, text=True)
+    pid, name = int(parent.stdout.readline()), parent.stdout.readline().strip()
+    parent.wait(timeout=30)
+    try:
+        assert mapped_segments([pid]) == {name}
+        watcher.record()
+        assert name not in watcher.recorded
+        os.kill(pid, signal.SIGKILL)  # its segment is left behind, but not by this session
+        assert watcher.stop() == [] and (SHM / name).exists()
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        (SHM / name).unlink(missing_ok=True)
