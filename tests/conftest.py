@@ -110,9 +110,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    _controller_cluster.close()
-    if _segment_watcher is not None:
-        _segment_watcher.stop()
+    try:
+        _controller_cluster.close()
+    finally:
+        if _segment_watcher is not None:
+            _segment_watcher.stop()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import psutil
 __all__ = ["SegmentWatcher", "mapped_segments"]
 
 SHM = Path("/dev/shm")
-_PREFIX = b"/dev/shm/"
+_PREFIX = b" /dev/shm/"  # the path column, after the padding that follows the inode
 _UNLINKED = b" (deleted)"
 
 

@@ -175,7 +175,7 @@ def test_an_unreachable_url_fails_the_replica_naming_the_url_and_what_to_do(ray_
 def test_a_fleet_drops_its_server_killed_mid_sync_and_takes_a_replica_that_joins(server, synced, shared_replicas):
     """A server and two actors; the server dies under back-to-back syncs, then a third actor joins.
 
-    Last but one: the module's server dies here. Its replica's actor lives on, but its engine is gone
+    The module's first server dies here (a second takes its port below). Its replica's actor lives on, but its engine is gone
     (`ServerGoneError`), so the fleet drops it as it drops a dead actor: the report names it and the URL,
     and the actors complete the sync. The replica that joins afterwards serves what the others serve.
     """
@@ -329,7 +329,7 @@ def test_requests_sent_during_a_dummy_servers_first_sync_wait_for_its_kv_stage(r
     assert accuracy(USER_PROMPTS, tokens) >= 0.9  # the trainer's model, with valid KV scales
     assert restarted.json("/weight_info")["weight_version"] == str(report.version)
     assert restarted.json("/refit/state") == {"refit_gate": True, "held": False, "in_flight": 0, "waiting": 0,
-                                           "awaiting_first_sync": False, "refusing": None}
+                                              "awaiting_first_sync": False, "refusing": None}
     again = restarted.json("/v1/completions", _completion(restarted, USER_PROMPTS[0]))
     assert again["choices"][0]["token_ids"] == tokens[0] and restarted.process.poll() is None
 
@@ -358,7 +358,7 @@ def test_a_server_a_failed_sync_left_refusing_answers_users_503_until_the_next_s
         syncer.close()
 
 
-def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, restarted, synced,
+def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, restarted,
                                                                                             module_actors, shared_replicas, caplog):
     """After the kill above: the server on the same URL is another; the old replica says so, a new one syncs it.
 
