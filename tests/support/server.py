@@ -27,7 +27,7 @@ from refit.engine.server import server_replica
 from refit.sharding.process_group import free_port
 from tests.support.scripts import REPO
 
-__all__ = ["RefitServer", "ServerHoldingUsers", "ServerSignalledAfterBegin", "free_port", "http_json"]
+__all__ = ["RefitServer", "ServerHoldingUsers", "ServerSignalledAfterBegin", "free_port", "http_json", "http_status"]
 
 
 def http_json(url: str, body: dict | None = None, *, key: str | None = None, timeout_s: float = 600,
@@ -38,12 +38,26 @@ def http_json(url: str, body: dict | None = None, *, key: str | None = None, tim
     `timeout_s` only guards against a hung test, it asserts no speed: on a loaded 2-core machine (a whole
     suite and a busy loop beside) a restarted server's first 16 completions took over 60 s.
     """
+    with urllib.request.urlopen(_request(url, body, key, method, headers), timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def http_status(url: str, body: dict | None = None, *, key: str | None = None, method: str | None = None,
+                timeout_s: float = 600) -> tuple[int, str]:
+    """As `http_json`, but an HTTP error is an answer too: the status and the body's text, whatever they are."""
+    try:
+        with urllib.request.urlopen(_request(url, body, key, method, None), timeout=timeout_s) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _request(url: str, body: dict | None, key: str | None, method: str | None,
+             headers: dict | None) -> urllib.request.Request:
     data = None if body is None else json.dumps(body).encode()
     sent = {"Content-Type": "application/json", **({} if key is None else {"Authorization": f"Bearer {key}"}),
             **(headers or {})}
-    request = urllib.request.Request(url, data=data, headers=sent, method=method)
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
+    return urllib.request.Request(url, data=data, headers=sent, method=method)
 
 
 class RefitServer:

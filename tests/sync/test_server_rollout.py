@@ -27,8 +27,6 @@ import pickle
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import ray
@@ -41,7 +39,7 @@ from tests.conftest import TEST_KV_CACHE_BYTES
 from tests.support.actors import STARTUP_S, run_in, started
 from tests.support.faults import tamper_next_stream
 from tests.support.lora import LORA
-from tests.support.server import RefitServer, ServerHoldingUsers, ServerSignalledAfterBegin, free_port
+from tests.support.server import RefitServer, ServerHoldingUsers, ServerSignalledAfterBegin, free_port, http_status
 
 PROMPTS = make_prompts(8, PROMPT_LEN, seed=21)
 COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=60)
@@ -175,9 +173,9 @@ def test_an_unreachable_url_fails_the_replica_naming_the_url_and_what_to_do(ray_
 def test_a_fleet_drops_its_server_killed_mid_sync_and_takes_a_replica_that_joins(server, synced, shared_replicas):
     """A server and two actors; the server dies under back-to-back syncs, then a third actor joins.
 
-    The module's first server dies here (a second takes its port below). Its replica's actor lives on, but its engine is gone
-    (`ServerGoneError`), so the fleet drops it as it drops a dead actor: the report names it and the URL,
-    and the actors complete the sync. The replica that joins afterwards serves what the others serve.
+    The module's first server dies here (a second takes its port below). Its replica's actor lives on, but its
+    engine is gone (`ServerGoneError`), so the fleet drops it as it drops a dead actor: the report names it and the
+    URL, and the actors complete the sync. The replica that joins afterwards serves what the others serve.
     """
     trainer, reference, replica, _, _ = synced
     other, joiner = shared_replicas
@@ -238,14 +236,7 @@ class _Marker:
 
 
 def _status(server: RefitServer, verb: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
-    headers = {"Content-Type": "application/json", **({} if key is None else {"Authorization": f"Bearer {key}"})}
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(server.url + path, data=data, method=verb, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
+    return http_status(server.url + path, body, key=key, method=verb)
 
 
 def _completion(server: RefitServer, prompt: list[int]) -> dict:
