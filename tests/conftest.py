@@ -16,6 +16,7 @@ cluster started by the xdist controller; a module never spans two workers.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -97,16 +98,27 @@ def pytest_configure_node(node) -> None:
 
 
 _segment_watcher = None
+_socket_dir: tempfile.TemporaryDirectory | None = None
+RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In the process that runs the session (the xdist controller, or the only one): watch for shared-memory
-    segments its processes leave behind (tests/support/shm_hygiene.py)."""
-    global _segment_watcher
+    """In the process that runs the session (the xdist controller, or the only one): keep what the session's
+    processes leave behind off the machine.
+
+    Shared-memory segments: tests/support/shm_hygiene.py. vLLM's ZMQ sockets between an engine's processes
+    (`ipc://` files under `VLLM_RPC_BASE_PATH`, the system's temp directory by default) are left by every engine
+    a test kills: they go into a directory of the session's own, which every process started after this inherits
+    (xdist workers, Ray nodes and their workers, `vllm serve` subprocesses), removed when the session ends.
+    """
+    global _segment_watcher, _socket_dir
     if not hasattr(config, "workerinput") and _segment_watcher is None:
         from tests.support.shm_hygiene import SegmentWatcher
 
         _segment_watcher = SegmentWatcher()
+        if RPC_BASE_PATH_ENV not in os.environ:
+            _socket_dir = tempfile.TemporaryDirectory(prefix="refit-tests-rpc-", ignore_cleanup_errors=True)
+            os.environ[RPC_BASE_PATH_ENV] = _socket_dir.name
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -115,6 +127,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     finally:
         if _segment_watcher is not None:
             _segment_watcher.stop()
+        if _socket_dir is not None:
+            _socket_dir.cleanup()
 
 
 @dataclass(frozen=True)

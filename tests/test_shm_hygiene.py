@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from tests.support.shm_hygiene import SHM, SegmentWatcher, mapped_segments
 
@@ -45,6 +46,24 @@ def test_a_killed_descendants_segment_is_unlinked_and_a_live_ones_is_kept():
             process.wait(timeout=30)
         for name in (killed_name, alive_name):
             (SHM / name).unlink(missing_ok=True)
+
+
+def test_a_segment_made_between_two_passes_is_recorded_as_soon_as_it_appears():
+    """A process that makes a segment and is killed long before the next regular pass: the new file starts one."""
+    watcher = SegmentWatcher(interval_s=3600, poll_s=0.1)
+    holder, name = _holder()
+    try:
+        deadline = time.monotonic() + 30  # from the segment's making
+        while name not in watcher.recorded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert name in watcher.recorded
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        assert name in watcher.stop() and not (SHM / name).exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        (SHM / name).unlink(missing_ok=True)
 
 
 # Starts a holder and exits at once: the holder is left to init, outside this process's tree, like another session's.

@@ -8,18 +8,22 @@ down. Tests kill engines with SIGKILL (a crash is what they test), so
 nothing unlinks those, and every run of the suite left dozens in the
 machine's `/dev/shm`.
 
-`SegmentWatcher` records, every few seconds, the files in `/dev/shm` that processes
-of this session (the pytest process and its descendants: xdist workers, the
-Ray cluster's nodes and workers, `vllm serve` subprocesses, engine cores)
-have mapped. At the end of the session, each recorded segment that no
-process maps any more is unlinked. A segment only another session's
-processes ever mapped is never recorded, so never touched.
+`SegmentWatcher` records the files in `/dev/shm` that processes of this
+session (the pytest process and its descendants: xdist workers, the Ray
+cluster's nodes and workers, `vllm serve` subprocesses, engine cores) have
+mapped: every few seconds, and as soon as a new file appears there, since an
+engine a test kills just after its start (a sync that fails at once, a start
+that must be refused) maps its segments for well under a regular interval. At
+the end of the session, each recorded segment that no process maps any more is
+unlinked. A segment only another session's processes ever mapped is never
+recorded, so never touched.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -50,18 +54,28 @@ def mapped_segments(pids: list[int]) -> set[str]:
     return names
 
 
+def _present() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
 class SegmentWatcher:
-    """Records the segments this process's descendants map, every `interval_s`; `stop()` unlinks the orphaned ones.
+    """Records the segments this process's descendants map, every `interval_s` and within `poll_s` of a new file in
+    `/dev/shm`; `stop()` unlinks the orphaned ones.
 
     `stop` returns the names it unlinked. Only segments still present, recorded as this session's and mapped by no
-    process on the machine are unlinked: a live engine of another session keeps its segments mapped.
+    process on the machine are unlinked: a live engine of another session keeps its segments mapped. Listing the
+    directory costs microseconds; a pass over the processes' maps costs milliseconds, so it runs only when needed.
     """
 
-    def __init__(self, interval_s: float = 5.0) -> None:
+    def __init__(self, interval_s: float = 5.0, poll_s: float = 0.25) -> None:
         self.recorded: set[str] = set()
         self._root = psutil.Process(os.getpid())
         self._stopped = threading.Event()
         self._interval_s = interval_s
+        self._poll_s = poll_s
         self._thread = threading.Thread(target=self._watch, name="shm-hygiene", daemon=True)
         self._thread.start()
 
@@ -73,8 +87,12 @@ class SegmentWatcher:
         self.recorded |= mapped_segments(pids)
 
     def _watch(self) -> None:
-        while not self._stopped.wait(self._interval_s):
-            self.record()
+        present, last_pass = _present(), time.monotonic()
+        while not self._stopped.wait(self._poll_s):
+            present, before = _present(), present
+            if present - before or time.monotonic() - last_pass >= self._interval_s:
+                self.record()
+                last_pass = time.monotonic()
 
     def stop(self) -> list[str]:
         self._stopped.set()
