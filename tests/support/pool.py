@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import gc
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -52,6 +54,32 @@ def _in_no_transport_group(self) -> bool:
     return self.transport_group() is None
 
 
+@contextmanager
+def _collections_deferred() -> Iterator[None]:
+    """`gc.collect()` does nothing inside: the caller collects once after it."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
+def _keep_kernel_overrides() -> None:
+    """Make the next engine starts in this process keep the kernel overrides the first one registered.
+
+    On a CPU without Triton's CPU backend, every vLLM worker start registers C++ overrides of vLLM's Triton kernels
+    by rebinding attributes of the modules that hold them, found by scanning every attribute of every module loaded
+    (most of a pooled engine's start, and a warning per kernel on each start after the first). The modules outlive
+    the engine, so the overrides are still in place when the next engine starts in the same process.
+    """
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    if hasattr(platform, "register_triton_kernel_overrides"):
+        platform.register_triton_kernel_overrides = classmethod(lambda cls: None)
+
+
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class PooledRollout(_Rollout):
     """A `RolloutActor` whose engine can be replaced by another in the same process."""
@@ -69,18 +97,20 @@ class PooledRollout(_Rollout):
         if "engine" not in self.__dict__:
             return
         try:
-            # vLLM's own teardown: it unfreezes the heap, collects, and destroys its process groups.
-            self.engine.llm.llm_engine.engine_core.shutdown()
+            # vLLM's own teardown: it unfreezes the heap and destroys its process groups; its two full collections
+            # of the whole heap wait for the one below, which finds the engine dropped too.
+            with _collections_deferred():
+                self.engine.llm.llm_engine.engine_core.shutdown()
         except BaseException:
             cleanup_dist_env_and_memory()  # what that shutdown ends with: the next engine must find no groups
             raise
         finally:  # parked even if the shutdown failed: the next start must not find the old engine in place
             self.__dict__.clear()
         # One pass over the unfrozen heap frees the old engine's cycles; what is left (the imports) is frozen again,
-        # so later passes skip it. A full pass costs ~0.3-0.7 s here: another `cleanup_dist_env_and_memory` (two
-        # more, for groups vLLM already destroyed) made a park cost ~3 s of CPU, the engine start after it ~0.8.
+        # so later passes skip it. Each full pass walks every object the imports made, a large share of a park's CPU.
         gc.collect()
         freeze_import_heap()
+        _keep_kernel_overrides()
 
     def restart(self, config: EngineConfig) -> None:
         self.park()
