@@ -198,12 +198,15 @@ class ActorFactory:
         return TrainerGroup(model_dir, world_size, ranks=ranks, **kwargs)
 
     def megatron_group(self, model_dir, parallel, *, nodes: tuple[int, ...], **kwargs):
-        """A `MegatronGroup` with rank r on node `nodes[r]`, started for this test (Megatron's process groups are
-        its processes' for life: ranks are not pooled)."""
+        """A `MegatronGroup` with rank r on node `nodes[r]`, its ranks lent from the pool (`MegatronGroup(ranks=...)`)."""
         from actors import MegatronGroup, MegatronRank
 
-        ranks = [self.keep(MegatronRank.options(**_on_node(node)).remote(r, len(nodes))) for r, node in enumerate(nodes)]
-        return MegatronGroup(model_dir, len(nodes), parallel, ranks=ranks, **kwargs)
+        world_size = len(nodes)
+        if self.pool is None:
+            ranks = [self.keep(MegatronRank.options(**_on_node(node)).remote(r, world_size)) for r, node in enumerate(nodes)]
+        else:
+            ranks = [self.lend(self.pool.megatron_rank(node, _on_node(node), r, world_size)) for r, node in enumerate(nodes)]
+        return MegatronGroup(model_dir, world_size, parallel, ranks=ranks, **kwargs)
 
     def keep(self, actor):
         self.created.append(actor)

@@ -9,7 +9,8 @@ same class, whose `restart` runs that class's constructor again in the
 process that already imported everything. What a test then talks to is
 what the constructor built, exactly as in a new process. Between tests a
 pooled actor is parked: its engine shut down, or its model dropped (a
-trainer group's rank also leaves its torch.distributed group).
+trainer group's or Megatron group's rank also leaves its torch.distributed
+group, and Megatron's parallel state).
 
 Nothing a test leaves reaches the next: `restart` clears the instance's
 attributes before the constructor runs, and an actor is taken back only if
@@ -30,16 +31,17 @@ from dataclasses import dataclass
 
 import ray
 
-from actors import RolloutActor, TrainerActor, TrainerRank
+from actors import MegatronRank, RolloutActor, TrainerActor, TrainerRank
+from actors._ranks import RankProcess
 from actors._replica_shell import CONCURRENCY_GROUPS
 from refit.engine.config import EngineConfig
 from refit.import_heap import freeze_import_heap
 from tests.support.actors import STARTUP_S
 
-IDLE_PER_NODE = {"rollout": 2, "trainer": 4, "rank": 1}
+IDLE_PER_NODE = {"rollout": 2, "trainer": 4, "rank": 1, "megatron": 2}
 """Idle actors kept per node, by kind (a rollout's process holds ~0.8 GB, a trainer's ~0.55 GB); more are killed when
 returned. Trainers mostly run on node 0, and some modules hold several at once; a test's trainer group has one rank
-on each of two nodes."""
+on each of two nodes, a Megatron group up to two."""
 
 RETURN_CHECK_S = 10
 """How long a returned actor has to show it is idle; one that does not is killed, never waited for."""
@@ -47,6 +49,7 @@ RETURN_CHECK_S = 10
 _Rollout = RolloutActor.__ray_metadata__.modified_class.__ray_actor_class__
 _Trainer = TrainerActor.__ray_metadata__.modified_class.__ray_actor_class__
 _Rank = TrainerRank.__ray_metadata__.modified_class.__ray_actor_class__
+_MegatronRank = MegatronRank.__ray_metadata__.modified_class.__ray_actor_class__
 
 
 def _in_no_transport_group(self) -> bool:
@@ -151,9 +154,8 @@ class PooledTrainer(_Trainer):
     idle = _in_no_transport_group
 
 
-@ray.remote
-class PooledTrainerRank(_Rank):
-    """A `TrainerRank` that can join another group in the same process (as another rank)."""
+class _ParkedRank:
+    """A rank process (`actors._ranks.RankProcess`) that can join another group in the same process (as another rank)."""
 
     def park(self) -> None:
         """Leave the group and drop the model: what a rank must do before it sets up again."""
@@ -167,14 +169,25 @@ class PooledTrainerRank(_Rank):
 
     def restart(self, rank: int, world_size: int) -> None:
         self.park()
-        _Rank.__init__(self, rank, world_size)
+        RankProcess.__init__(self, rank, world_size)
 
     idle = _in_no_transport_group
 
 
+@ray.remote
+class PooledTrainerRank(_ParkedRank, _Rank):
+    """A `TrainerRank` that can join another group in the same process."""
+
+
+@ray.remote
+class PooledMegatronRank(_ParkedRank, _MegatronRank):
+    """A `MegatronRank` that can join another group in the same process: leaving one destroys Megatron's parallel
+    state (`destroy_model_parallel`) with the torch.distributed group, so the next `setup` initializes both anew."""
+
+
 @dataclass(frozen=True)
 class Lent:
-    kind: str  # "rollout", "trainer" or "rank"
+    kind: str  # a key of IDLE_PER_NODE
     node: int
     actor: object
 
@@ -193,6 +206,9 @@ class ActorPool:
 
     def rank(self, node: int, options: dict, rank: int, world_size: int) -> Lent:
         return self._lend("rank", PooledTrainerRank, node, options, rank, world_size)
+
+    def megatron_rank(self, node: int, options: dict, rank: int, world_size: int) -> Lent:
+        return self._lend("megatron", PooledMegatronRank, node, options, rank, world_size)
 
     def _lend(self, kind: str, actor_class, node: int, options: dict, *args, **kwargs) -> Lent:
         """An idle `kind` actor on `node` restarted with these constructor arguments, or a new one started with them."""
