@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import gc
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -57,35 +55,14 @@ def _in_no_transport_group(self) -> bool:
     return self.transport_group() is None
 
 
-@contextmanager
-def _collections_deferred() -> Iterator[None]:
-    """`gc.collect()` does nothing inside: the caller collects once after it."""
-    collect = gc.collect
-    gc.collect = lambda generation=2: 0
-    try:
-        yield
-    finally:
-        gc.collect = collect
-
-
-def _keep_kernel_overrides() -> None:
-    """Make the next engine starts in this process keep the kernel overrides the first one registered.
-
-    On a CPU without Triton's CPU backend, every vLLM worker start registers C++ overrides of vLLM's Triton kernels
-    by rebinding attributes of the modules that hold them, found by scanning every attribute of every module loaded
-    (most of a pooled engine's start, and a warning per kernel on each start after the first). The modules outlive
-    the engine, so the overrides are still in place when the next engine starts in the same process.
-    """
-    from vllm.platforms import current_platform
-
-    platform = type(current_platform)
-    if hasattr(platform, "register_triton_kernel_overrides"):
-        platform.register_triton_kernel_overrides = classmethod(lambda cls: None)
-
-
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class PooledRollout(_Rollout):
-    """A `RolloutActor` whose engine can be replaced by another in the same process."""
+    """A `RolloutActor` whose engine can be replaced by another in the same process.
+
+    Another driver reaches the session's shared replicas by name (a killed driver's test), and loads this class
+    from Ray's copy of it: its methods use nothing defined in this module, which that driver cannot import (Ray
+    would give its handle a stand-in class that takes no positional arguments).
+    """
 
     def park(self) -> None:
         """Shut the engine down while the actor waits in the pool.
@@ -99,21 +76,30 @@ class PooledRollout(_Rollout):
 
         if "engine" not in self.__dict__:
             return
+        collect = gc.collect
         try:
             # vLLM's own teardown: it unfreezes the heap and destroys its process groups; its two full collections
-            # of the whole heap wait for the one below, which finds the engine dropped too.
-            with _collections_deferred():
-                self.engine.llm.llm_engine.engine_core.shutdown()
+            # of the whole heap are skipped for the one below, which finds the engine dropped too.
+            gc.collect = lambda generation=2: 0
+            self.engine.llm.llm_engine.engine_core.shutdown()
         except BaseException:
             cleanup_dist_env_and_memory()  # what that shutdown ends with: the next engine must find no groups
             raise
         finally:  # parked even if the shutdown failed: the next start must not find the old engine in place
+            gc.collect = collect
             self.__dict__.clear()
         # One pass over the unfrozen heap frees the old engine's cycles; what is left (the imports) is frozen again,
         # so later passes skip it. Each full pass walks every object the imports made, a large share of a park's CPU.
         gc.collect()
         freeze_import_heap()
-        _keep_kernel_overrides()
+        # On a CPU without Triton's CPU backend, every vLLM worker start registers C++ overrides of vLLM's Triton
+        # kernels, rebinding the module attributes that hold them, found by scanning every attribute of every module
+        # loaded (most of a pooled engine's start, and a warning per kernel on each start after the first). The
+        # modules outlive the engine: the next engine in this process finds the overrides in place.
+        from vllm.platforms import current_platform
+
+        if hasattr(type(current_platform), "register_triton_kernel_overrides"):
+            type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
 
     def restart(self, config: EngineConfig) -> None:
         self.park()
