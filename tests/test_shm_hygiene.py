@@ -66,6 +66,37 @@ def test_a_segment_made_between_two_passes_is_recorded_as_soon_as_it_appears():
         (SHM / name).unlink(missing_ok=True)
 
 
+# Makes its file first and maps it a little later, as shm_open then mmap do, with a gap a busy machine can stretch.
+LATE_MAPPER = """
+import mmap, os, time
+name = f"refit-test-late-{os.getpid()}"
+fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+print(os.getpid(), name, flush=True)
+time.sleep(0.3)
+mapped = mmap.mmap(fd, 4096)
+time.sleep(600)
+"""
+
+
+def test_a_new_file_mapped_only_after_the_pass_it_started_is_looked_for_again():
+    watcher = SegmentWatcher(interval_s=3600, poll_s=0.1)
+    mapper = subprocess.Popen([sys.executable, "-c", LATE_MAPPER], stdout=subprocess.PIPE, text=True)
+    name = mapper.stdout.readline().split()[1]
+    try:
+        deadline = time.monotonic() + 30  # from the file's making
+        while name not in watcher.recorded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert name in watcher.recorded
+        mapper.send_signal(signal.SIGKILL)
+        mapper.wait(timeout=30)
+        assert name in watcher.stop() and not (SHM / name).exists()
+    finally:
+        mapper.kill()
+        mapper.wait(timeout=30)
+        (SHM / name).unlink(missing_ok=True)
+
+
 # Starts a holder and exits at once: the holder is left to init, outside this process's tree, like another session's.
 ORPHANING = f"""
 import subprocess, sys

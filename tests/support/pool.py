@@ -30,16 +30,15 @@ from dataclasses import dataclass
 import ray
 
 from actors import MegatronRank, RolloutActor, TrainerActor, TrainerRank
-from actors._ranks import RankProcess
 from actors._replica_shell import CONCURRENCY_GROUPS
 from refit.engine.config import EngineConfig
 from refit.import_heap import freeze_import_heap
 from tests.support.actors import STARTUP_S
 
-IDLE_PER_NODE = {"rollout": 2, "trainer": 4, "rank": 1, "megatron": 2}
+IDLE_PER_NODE = {"rollout": 2, "trainer": 4, "rank": 1, "megatron": 1}
 """Idle actors kept per node, by kind (a rollout's process holds ~0.8 GB, a trainer's ~0.55 GB); more are killed when
 returned. Trainers mostly run on node 0, and some modules hold several at once; a test's trainer group has one rank
-on each of two nodes, a Megatron group up to two."""
+on each of two nodes, as have most Megatron groups."""
 
 RETURN_CHECK_S = 10
 """How long a returned actor has to show it is idle; one that does not is killed, never waited for."""
@@ -60,8 +59,9 @@ class PooledRollout(_Rollout):
     """A `RolloutActor` whose engine can be replaced by another in the same process.
 
     Another driver reaches the session's shared replicas by name (a killed driver's test), and loads this class
-    from Ray's copy of it: its methods use nothing defined in this module, which that driver cannot import (Ray
-    would give its handle a stand-in class that takes no positional arguments).
+    from Ray's pickled copy of it: its methods call no function of this module (pickled by reference, so loaded by
+    importing this module, which that driver cannot; Ray would give its handle a stand-in class whose methods take
+    no positional arguments).
     """
 
     def park(self) -> None:
@@ -77,29 +77,29 @@ class PooledRollout(_Rollout):
         if "engine" not in self.__dict__:
             return
         collect = gc.collect
+        # vLLM's own teardown: it unfreezes the heap and destroys its process groups; its two full collections of the
+        # whole heap are skipped for the one below, which finds the engine dropped too.
+        gc.collect = lambda generation=2: 0
         try:
-            # vLLM's own teardown: it unfreezes the heap and destroys its process groups; its two full collections
-            # of the whole heap are skipped for the one below, which finds the engine dropped too.
-            gc.collect = lambda generation=2: 0
             self.engine.llm.llm_engine.engine_core.shutdown()
         except BaseException:
+            gc.collect = collect
             cleanup_dist_env_and_memory()  # what that shutdown ends with: the next engine must find no groups
             raise
         finally:  # parked even if the shutdown failed: the next start must not find the old engine in place
             gc.collect = collect
             self.__dict__.clear()
-        # One pass over the unfrozen heap frees the old engine's cycles; what is left (the imports) is frozen again,
-        # so later passes skip it. Each full pass walks every object the imports made, a large share of a park's CPU.
-        gc.collect()
-        freeze_import_heap()
-        # On a CPU without Triton's CPU backend, every vLLM worker start registers C++ overrides of vLLM's Triton
-        # kernels, rebinding the module attributes that hold them, found by scanning every attribute of every module
-        # loaded (most of a pooled engine's start, and a warning per kernel on each start after the first). The
-        # modules outlive the engine: the next engine in this process finds the overrides in place.
+            # One pass over the unfrozen heap frees the old engine's cycles; what is left (the imports) is frozen
+            # again, so later passes skip it. Each full pass walks every object the imports made.
+            gc.collect()
+            freeze_import_heap()
+        # Every vLLM worker start registers the platform's overrides of vLLM's Triton kernels (on a CPU without
+        # Triton's CPU backend: C++ ones, rebinding the module attributes that hold the kernels, found by scanning
+        # every attribute of every module loaded, most of a pooled engine's start, with a warning per kernel on each
+        # start after the first). The modules outlive the engine: the next engine in this process finds them in place.
         from vllm.platforms import current_platform
 
-        if hasattr(type(current_platform), "register_triton_kernel_overrides"):
-            type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
+        type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
 
     def restart(self, config: EngineConfig) -> None:
         self.park()
@@ -155,7 +155,7 @@ class _ParkedRank:
 
     def restart(self, rank: int, world_size: int) -> None:
         self.park()
-        RankProcess.__init__(self, rank, world_size)
+        super().__init__(rank, world_size)
 
     idle = _in_no_transport_group
 

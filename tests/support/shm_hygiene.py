@@ -67,8 +67,13 @@ class SegmentWatcher:
 
     `stop` returns the names it unlinked. Only segments still present, recorded as this session's and mapped by no
     process on the machine are unlinked: a live engine of another session keeps its segments mapped. Listing the
-    directory costs microseconds; a pass over the processes' maps costs milliseconds, so it runs only when needed.
+    directory is cheap next to a pass over the processes' maps, so passes run only when needed. A file exists
+    before its maker maps it (`shm_open`, then `mmap`): a new file no pass found mapped is looked for again at each
+    poll for `NEW_FILE_PASSES` polls.
     """
+
+    NEW_FILE_PASSES = 8
+
 
     def __init__(self, interval_s: float = 5.0, poll_s: float = 0.25) -> None:
         self.recorded: set[str] = set()
@@ -88,11 +93,15 @@ class SegmentWatcher:
 
     def _watch(self) -> None:
         present, last_pass = _present(), time.monotonic()
+        unseen: dict[str, int] = {}  # new files no pass found mapped yet: the polls left to look again
         while not self._stopped.wait(self._poll_s):
             present, before = _present(), present
-            if present - before or time.monotonic() - last_pass >= self._interval_s:
+            unseen |= dict.fromkeys(present - before, self.NEW_FILE_PASSES)
+            if unseen or time.monotonic() - last_pass >= self._interval_s:
                 self.record()
                 last_pass = time.monotonic()
+                unseen = {name: left - 1 for name, left in unseen.items()
+                          if left > 1 and name in present and name not in self.recorded}
 
     def stop(self) -> list[str]:
         self._stopped.set()
