@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.support.shm_hygiene import SHM, SegmentWatcher, mapped_segments
 
 # Makes a segment, as vLLM's engines do, says its process id and name on one line, and waits to be killed.
@@ -21,8 +23,8 @@ time.sleep(600)
 """
 
 
-def _holder() -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+def _holder(script: str = HOLDER) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     return process, process.stdout.readline().split()[1]
 
 
@@ -48,24 +50,6 @@ def test_a_killed_descendants_segment_is_unlinked_and_a_live_ones_is_kept():
             (SHM / name).unlink(missing_ok=True)
 
 
-def test_a_segment_made_between_two_passes_is_recorded_as_soon_as_it_appears():
-    """A process that makes a segment and is killed long before the next regular pass: the new file starts one."""
-    watcher = SegmentWatcher(interval_s=3600, poll_s=0.1)
-    holder, name = _holder()
-    try:
-        deadline = time.monotonic() + 30  # from the segment's making
-        while name not in watcher.recorded and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert name in watcher.recorded
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
-        assert name in watcher.stop() and not (SHM / name).exists()
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
-        (SHM / name).unlink(missing_ok=True)
-
-
 # Makes its file first and maps it a little later, as shm_open then mmap do, with a gap a busy machine can stretch.
 LATE_MAPPER = """
 import mmap, os, time
@@ -79,21 +63,23 @@ time.sleep(600)
 """
 
 
-def test_a_new_file_mapped_only_after_the_pass_it_started_is_looked_for_again():
+@pytest.mark.parametrize("script", [HOLDER, LATE_MAPPER], ids=["mapped-at-once", "mapped-after-the-first-pass"])
+def test_a_segment_made_between_two_regular_passes_is_recorded_without_waiting_for_the_next(script):
+    """A process that makes a segment and is killed long before the next regular pass: the new file starts passes,
+    until one finds it mapped."""
     watcher = SegmentWatcher(interval_s=3600, poll_s=0.1)
-    mapper = subprocess.Popen([sys.executable, "-c", LATE_MAPPER], stdout=subprocess.PIPE, text=True)
-    name = mapper.stdout.readline().split()[1]
+    process, name = _holder(script)
     try:
-        deadline = time.monotonic() + 30  # from the file's making
+        deadline = time.monotonic() + 30  # from the segment's making
         while name not in watcher.recorded and time.monotonic() < deadline:
             time.sleep(0.05)
         assert name in watcher.recorded
-        mapper.send_signal(signal.SIGKILL)
-        mapper.wait(timeout=30)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
         assert name in watcher.stop() and not (SHM / name).exists()
     finally:
-        mapper.kill()
-        mapper.wait(timeout=30)
+        process.kill()
+        process.wait(timeout=30)
         (SHM / name).unlink(missing_ok=True)
 
 
