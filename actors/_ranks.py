@@ -67,13 +67,17 @@ class RankProcess:
         one first. Its collectives' peers may be gone; destroying the group
         needs none of them. A sync's collective transport group goes too, and
         with it the delta base: those rows were this rank's share of the old
-        model, so the first sync from the new group is a full one.
+        model, so the first sync from the new group is a full one. The
+        torch.distributed group is destroyed even if closing the transport
+        fails: a rank left in it could never set up again.
         """
-        self.weights.close()
-        for attribute in self._model_attributes:
-            self.__dict__.pop(attribute, None)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        try:
+            self.weights.close()
+        finally:
+            for attribute in self._model_attributes:
+                self.__dict__.pop(attribute, None)
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     def _metadata(self) -> list[TensorMeta]:
         return self.source.metadata()

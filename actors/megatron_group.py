@@ -84,8 +84,10 @@ class MegatronRank(RankProcess):
     def leave_group(self) -> None:
         from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        super().leave_group()
+        try:
+            parallel_state.destroy_model_parallel()
+        finally:
+            super().leave_group()
 
     def apply(self, names: Sequence[str], change: Callable[[torch.Tensor], torch.Tensor]) -> int:
         """`change` (elementwise) applied to this rank's parts of the checkpoint tensors `names`; parts changed."""
