@@ -190,23 +190,20 @@ class ActorFactory:
         """An FSDP2 `TrainerGroup` with rank r on node `nodes[r]`, its ranks lent from the pool (`TrainerGroup(ranks=...)`)."""
         from actors import TrainerGroup, TrainerRank
 
-        world_size = len(nodes)
-        if self.pool is None:
-            ranks = [self.keep(TrainerRank.options(**_on_node(node)).remote(r, world_size)) for r, node in enumerate(nodes)]
-        else:
-            ranks = [self.lend(self.pool.rank(node, _on_node(node), r, world_size)) for r, node in enumerate(nodes)]
-        return TrainerGroup(model_dir, world_size, ranks=ranks, **kwargs)
+        return TrainerGroup(model_dir, len(nodes), ranks=self._ranks(TrainerRank, "rank", nodes), **kwargs)
 
     def megatron_group(self, model_dir, parallel, *, nodes: tuple[int, ...], **kwargs):
         """A `MegatronGroup` with rank r on node `nodes[r]`, its ranks lent from the pool (`MegatronGroup(ranks=...)`)."""
         from actors import MegatronGroup, MegatronRank
 
+        return MegatronGroup(model_dir, len(nodes), parallel, ranks=self._ranks(MegatronRank, "megatron", nodes), **kwargs)
+
+    def _ranks(self, rank_class, kind: str, nodes: tuple[int, ...]) -> list:
+        """Rank r of a group on node `nodes[r]`: lent from the pool's `kind` ranks, or started as `rank_class`."""
         world_size = len(nodes)
         if self.pool is None:
-            ranks = [self.keep(MegatronRank.options(**_on_node(node)).remote(r, world_size)) for r, node in enumerate(nodes)]
-        else:
-            ranks = [self.lend(self.pool.megatron_rank(node, _on_node(node), r, world_size)) for r, node in enumerate(nodes)]
-        return MegatronGroup(model_dir, world_size, parallel, ranks=ranks, **kwargs)
+            return [self.keep(rank_class.options(**_on_node(node)).remote(r, world_size)) for r, node in enumerate(nodes)]
+        return [self.lend(self.pool.rank(kind, node, _on_node(node), r, world_size)) for r, node in enumerate(nodes)]
 
     def keep(self, actor):
         self.created.append(actor)

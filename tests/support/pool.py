@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 from collections import defaultdict
 from dataclasses import dataclass
+from unittest.mock import patch
 
 import ray
 
@@ -76,18 +77,15 @@ class PooledRollout(_Rollout):
 
         if "engine" not in self.__dict__:
             return
-        collect = gc.collect
-        # vLLM's own teardown: it unfreezes the heap and destroys its process groups; its two full collections of the
-        # whole heap are skipped for the one below, which finds the engine dropped too.
-        gc.collect = lambda generation=2: 0
         try:
-            self.engine.llm.llm_engine.engine_core.shutdown()
+            # vLLM's own teardown: it unfreezes the heap and destroys its process groups; its two full collections of
+            # the whole heap are skipped for the one below, which finds the engine dropped too.
+            with patch.object(gc, "collect", lambda generation=2: 0):
+                self.engine.llm.llm_engine.engine_core.shutdown()
         except BaseException:
-            gc.collect = collect
             cleanup_dist_env_and_memory()  # what that shutdown ends with: the next engine must find no groups
             raise
         finally:  # parked even if the shutdown failed: the next start must not find the old engine in place
-            gc.collect = collect
             self.__dict__.clear()
             # One pass over the unfrozen heap frees the old engine's cycles; what is left (the imports) is frozen
             # again, so later passes skip it. Each full pass walks every object the imports made.
@@ -190,11 +188,10 @@ class ActorPool:
     def trainer(self, node: int, options: dict, model_dir: str, **kwargs) -> Lent:
         return self._lend("trainer", PooledTrainer, node, options, model_dir, **kwargs)
 
-    def rank(self, node: int, options: dict, rank: int, world_size: int) -> Lent:
-        return self._lend("rank", PooledTrainerRank, node, options, rank, world_size)
-
-    def megatron_rank(self, node: int, options: dict, rank: int, world_size: int) -> Lent:
-        return self._lend("megatron", PooledMegatronRank, node, options, rank, world_size)
+    def rank(self, kind: str, node: int, options: dict, rank: int, world_size: int) -> Lent:
+        """A rank of a trainer group (`kind` "rank") or of a Megatron group ("megatron")."""
+        return self._lend(kind, {"rank": PooledTrainerRank, "megatron": PooledMegatronRank}[kind], node, options, rank,
+                          world_size)
 
     def _lend(self, kind: str, actor_class, node: int, options: dict, *args, **kwargs) -> Lent:
         """An idle `kind` actor on `node` restarted with these constructor arguments, or a new one started with them."""

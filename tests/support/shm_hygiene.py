@@ -74,7 +74,6 @@ class SegmentWatcher:
 
     NEW_FILE_PASSES = 8
 
-
     def __init__(self, interval_s: float = 5.0, poll_s: float = 0.25) -> None:
         self.recorded: set[str] = set()
         self._root = psutil.Process(os.getpid())
