@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TextIO
 
 __all__ = ["main"]
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "inspect":
-            return _inspect(args.address, args.json)
+            return _inspect_to(sys.stdout, args.address, args.json)
         if args.command == "serve":
             return _serve(args.vllm_args)
         return _print_plan(args.trainer, args.rollout, int(args.bucket_mib * 2**20), args.quantize_on)
@@ -167,7 +168,30 @@ def _connect(address: str) -> None:
         raise outcome["error"]
 
 
-def _inspect(address: str, as_json: bool) -> int:
+def _inspect_to(out: TextIO, address: str, as_json: bool) -> int:
+    """`_inspect`, with `out` holding only its output.
+
+    Why: a Ray driver prints the cluster's broadcast warnings (e.g. the
+    raylet's "N PYTHON worker processes have been started") to sys.stdout from
+    a thread of its own, whatever `log_to_driver` says, so `refit inspect
+    --json | jq` would read a line of Ray's before the JSON. Everything else
+    that writes to sys.stdout meanwhile goes to stderr, and a driver this
+    command connected is disconnected before stdout is handed back.
+    """
+    import contextlib
+
+    import ray
+
+    connected_here = not ray.is_initialized()
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            return _inspect(out, address, as_json)
+        finally:
+            if connected_here and ray.is_initialized():
+                ray.shutdown()
+
+
+def _inspect(out: TextIO, address: str, as_json: bool) -> int:
     import json
     import time
     from dataclasses import asdict
@@ -203,20 +227,20 @@ def _inspect(address: str, as_json: bool) -> int:
             {"name": name, "node_id": node, "status": {**asdict(status), "phase": str(status.phase)}, "last_update": last,
              "scales": [{**asdict(r), "source": str(r.source)} for r in records]}
             for name, node, status, last, records in replicas
-        ] + [{"name": name, "error": why} for name, why in unreadable], indent=1))
+        ] + [{"name": name, "error": why} for name, why in unreadable], indent=1), file=out)
         return 0
     if not replicas and not unreadable:
-        print("no named rollout replicas on this cluster; create them with RolloutActor.options(name=...)")
+        print("no named rollout replicas on this cluster; create them with RolloutActor.options(name=...)", file=out)
     for name, node, status, last, records in replicas:
         update = "none yet" if last is None else (
             f"sync {last['sync_id']} {last['outcome']}" + (f" as v{last['version']}" if last["version"] else "")
             + f", {last['buckets']} bucket(s), load {last['load_seconds']:.3f} s"
             + (f", {last['bytes_received'] / 2**20:.2f} MiB received" if "bytes_received" in last else "")
         )
-        print(f"{name} on node {node[:8]}: {status}; last update: {update}")
-        print(format_table(records, digest=None if last is None else last.get("digest")) + "\n")
+        print(f"{name} on node {node[:8]}: {status}; last update: {update}", file=out)
+        print(format_table(records, digest=None if last is None else last.get("digest")) + "\n", file=out)
     for name, why in unreadable:
-        print(f"{name}: could not be inspected ({why})")
+        print(f"{name}: could not be inspected ({why})", file=out)
     return 0
 
 

@@ -139,3 +139,35 @@ def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance
     assert f"{NAMESPACE}/{SHARED_REPLICAS[0]} on node" in text and f"serving v{report.version}" in text
     assert f"{NAMESPACE}/broken-rollout: could not be inspected (RayTaskError" in text, text
     assert "model.layers.1.self_attn.attn" in text
+
+
+def test_inspect_json_stdout_holds_only_the_json_while_ray_broadcasts_a_warning(ray_cluster):
+    """Found in a fresh clone: the raylet's "N PYTHON worker processes have been started" warning, which Ray's
+    driver prints to stdout whatever `log_to_driver` says, came before the JSON. Here the inspecting process
+    broadcasts such a warning itself once connected, and waits until its driver has printed it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, threading
+        import ray, ray._private.worker as driver
+        from ray._private.utils import publish_error_to_driver
+        import refit.cli as cli
+
+        printed, print_to_stdstream = threading.Event(), driver.print_to_stdstream
+        driver.print_to_stdstream = lambda *a, **k: (print_to_stdstream(*a, **k), printed.set())
+        connect = cli._connect
+
+        def connect_then_warn(address):
+            connect(address)
+            publish_error_to_driver("refit_test", "a warning for every driver", driver.global_worker.gcs_client)
+            assert printed.wait(60), "Ray's driver never printed the broadcast warning"
+
+        cli._connect = connect_then_warn
+        sys.exit(cli.main(["inspect", "--json", "--address", {ray_cluster.address!r}]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "a warning for every driver" in result.stderr  # still shown to the user, on stderr
+    assert isinstance(json.loads(result.stdout), list), result.stdout[:1000]
