@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
-from refit.errors import PlanMismatchError
+from refit import errors
+from refit.errors import PlanMismatchError, RefitError
 from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import loadable_form
@@ -81,7 +82,7 @@ class RankSource:
 
     def _parts(self, plan: TransferPlan) -> Iterator[WireBucket]:
         routes = self.routes(plan)
-        self._preflight(plan)
+        self._preflight_on_every_rank(plan)
         self.gathered_bytes = 0
         self.sent = {route.value: 0 for route in Route} | {"quantized_rows": 0, "bytes": 0}
         for index, bucket in enumerate(plan.buckets):
@@ -110,6 +111,31 @@ class RankSource:
     def shard_bytes(self) -> int:
         """Bytes of this rank's own shards of the model."""
         return self.layout.shard_bytes()
+
+    def _preflight_on_every_rank(self, plan: TransferPlan) -> None:
+        """`_preflight` here, then every rank refuses if any rank did (a collective).
+
+        Why: each rank checks only what it holds (a NaN lies in one FSDP2
+        shard, a shape in one pipeline stage), so one rank alone would refuse
+        while the others went on into a gather it never enters, waiting there
+        until the group's timeout, which breaks the process group for good.
+        """
+        try:
+            self._preflight(plan)
+            mine: tuple[str, str] | None = None
+        except Exception as error:  # a bug in a layout's check too: the other ranks must not wait for this one
+            mine, own = (type(error).__name__, str(error)), error
+        verdicts: list = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(verdicts, mine, group=self.group)
+        if mine is not None:
+            raise own
+        refusals = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+        if refusals:
+            rank, (kind, message) = refusals[0]
+            error_class = getattr(errors, kind, None)
+            if not (isinstance(error_class, type) and issubclass(error_class, RefitError)):
+                error_class = RefitError
+            raise error_class(f"trainer rank {rank} refused the sync, so every rank does: {message}")
 
     def _preflight(self, plan: TransferPlan) -> None:
         """Global shapes against the plan (of the tensors this rank holds), and its values finite, before any part is sent."""

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 import refit
 from actors import TrainerGroup, TrainerRank
@@ -223,6 +224,32 @@ def _outcome(call) -> list[object]:
         return [call()]
     except Exception as error:  # noqa: BLE001 (the test asserts what it was)
         return [error]
+
+
+def test_a_nan_in_one_ranks_shard_is_refused_on_every_rank_and_the_group_syncs_on(replicas, actors_factory):
+    """Regression: each rank checks only the rows it holds, so a NaN in rank 1's shard made rank 1 alone refuse
+    while rank 0 went on into a gather of k and v that rank 1 never entered, and waited there until the group's
+    timeout broke its process group for good. Now every rank refuses, naming the tensor, and the next sync runs."""
+    import re
+
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=30)
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def poison(rank, value: float) -> float:  # its last row lies in rank 1's shard (FSDP2 shards rows)
+        with torch.no_grad():
+            local = rank.model.get_parameter(name).to_local()
+            old, local[-1, 0] = local[-1, 0].item(), value
+        return old
+
+    config = refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=30)  # many buckets, each of them gathering k and v
+    served = [ray.get(replica.status.remote(), timeout=60).served_version for replica in replicas]
+    old = run_in(group.ranks[1], poison, float("nan"))
+    with pytest.raises(refit.InvalidTensorError, match=re.escape(name) + " holds NaN or Inf on rank 1"):
+        refit.sync(group, replicas, config)
+    assert [ray.get(replica.status.remote(), timeout=60).served_version for replica in replicas] == served
+    run_in(group.ranks[1], poison, old)
+    report = refit.sync(group, replicas, config)
+    assert [r.served_version for r in report.replicas] == [report.version] * 2
 
 
 def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster, tmp_path):
