@@ -52,20 +52,41 @@ class MergedLora:
     inside the peft wrapper: peft keeps each adapted layer's weight as
     `<module>.base_layer.weight` and its adapter beside it, so the names are
     taken back to `<module>.weight` and the adapter's own tensors left out.
+    What peft's `merge_and_unload` does besides adding B A scaling is done
+    here too, with peft's own code where it has one: a variant's merge (DoRA's
+    magnitude), a LoRA bias added to the base's bias, and a module trained
+    whole (`modules_to_save`) sent in place of the frozen original. What this
+    class cannot merge (LoRA on layers other than Linear and Embedding,
+    trainable tokens) is refused by name when it is made: sending the base
+    unmerged would serve a model the trainer never trained.
     """
 
     def __init__(self, model: Any) -> None:
+        from peft.tuners.lora import Embedding, Linear
+        from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
         self._model = model
         self._adapter = _active_adapter(model)
-        self._view = CheckpointView(model.get_base_model())
-        self._layers = {name: module for name, module in model.get_base_model().named_modules()
-                        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+        base = model.get_base_model()
+        self._view = CheckpointView(base)
+        self._layers = {name: module for name, module in base.named_modules()
+                        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") and self._adapts(module)}
+        unmergeable = [f"{name} ({type(module).__name__})" for name, module in self._layers.items()
+                       if not isinstance(module, (Linear, Embedding))]
+        unmergeable += [f"{name} ({type(module).__name__})" for name, module in base.named_modules()
+                        if isinstance(module, AuxiliaryTrainingWrapper) and not isinstance(module, ModulesToSaveWrapper)]
+        if unmergeable:
+            raise ConfigError(f"refit cannot merge adapter {self._adapter!r} into {', '.join(unmergeable)}: merge mode "
+                              "merges LoRA on Linear and Embedding layers and modules_to_save; sync the adapter alone "
+                              "(Syncer.sync_adapter) to rollouts that serve LoRA")
+        self._embeddings = {name for name, module in self._layers.items() if isinstance(module, Embedding)}
+        self._saved = {name for name, module in base.named_modules() if isinstance(module, ModulesToSaveWrapper)}
         self._source: dict[str, str] = {}  # base checkpoint name -> the view's name
         self._metas: list[TensorMeta] = []
         for meta in self._view.metadata():
-            if _is_adapter_tensor(meta.name):
+            if self._checkpoint_name(meta.name) is None:
                 continue
-            merged = meta.renamed(lambda name: name.replace(_BASE_LAYER, "."))
+            merged = meta.renamed(lambda name: self._checkpoint_name(name) or name)
             self._source[merged.name] = meta.name
             self._metas.append(merged)
 
@@ -76,13 +97,41 @@ class MergedLora:
         source = self._source[name]
         value = self._view.tensor(source)
         module, _, param = source.rpartition(_BASE_LAYER)
-        if param != "weight" or module not in self._layers:
+        layer = self._layers.get(module) if module else None
+        if layer is None:
             return value
-        layer = self._layers[module]
-        if self._adapter not in getattr(layer, "lora_A", {}):
-            return value
-        with torch.no_grad():  # peft's merge: `weight += delta`, one rounding in the weight's dtype
-            return (value + layer.get_delta_weight(self._adapter)).to(value.dtype)
+        adapter = self._adapter
+        with torch.no_grad():
+            if param == "weight":
+                variant = getattr(layer, "lora_variant", {}).get(adapter)
+                if variant is not None:  # DoRA: peft's own merge, which reads the base weight itself
+                    return variant.merge_safe(layer, adapter, value).to(value.dtype)
+                # As peft merges: a Linear's `weight += delta`, one rounding in the weight's dtype; an Embedding's
+                # delta is rounded to the weight's dtype first.
+                delta = layer.get_delta_weight(adapter)
+                return (value + (delta.to(value.dtype) if module in self._embeddings else delta)).to(value.dtype)
+            if param == "bias" and getattr(layer, "lora_bias", {}).get(adapter):
+                return (value + layer.lora_B[adapter].bias * layer.scaling[adapter]).to(value.dtype)
+        return value
+
+    def _adapts(self, layer: Any) -> bool:
+        """Whether the active adapter has LoRA weights in `layer` (a Linear's `lora_A`, an Embedding's own dict)."""
+        return any(self._adapter in getattr(layer, tensors, {}) for tensors in ("lora_A", "lora_embedding_A"))
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        """The base checkpoint's name of the view's tensor `name`, or None for one that is not sent (the adapter's
+        own tensors, the frozen original of a module trained whole, another adapter's copy of it)."""
+        if _is_adapter_tensor(name):
+            return None
+        for module in self._saved:
+            if not name.startswith(module + "."):
+                continue
+            rest = name[len(module) + 1:]
+            if rest.startswith("original_module."):
+                return None
+            adapter, _, tail = rest.removeprefix("modules_to_save.").partition(".")
+            return f"{module}.{tail}" if rest.startswith("modules_to_save.") and adapter == self._adapter else None
+        return name.replace(_BASE_LAYER, ".")
 
 
 def _active_adapter(model: Any) -> str:

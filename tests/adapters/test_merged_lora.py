@@ -1,0 +1,56 @@
+"""Merge mode (`MergedLora`) against peft's own `merge_and_unload`, bit for bit, on a real transformers model with
+a real peft adapter; what it cannot merge is refused by name. The sync itself: tests/sync/test_lora_sync.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from refit.adapters.peft_source import MergedLora
+from refit.errors import ConfigError
+from refit.plan.checkpoint_format import CheckpointView
+
+pytest.importorskip("peft")
+
+
+def peft_model(**settings):
+    """A tiny random Qwen2 (q/k/v biases) in bf16 under a peft LoRA adapter whose every trained tensor is nonzero."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": False}
+    model = get_peft_model(Qwen2ForCausalLM(config).to(torch.bfloat16), LoraConfig(**lora | settings))
+    with torch.no_grad():  # as after training: DoRA's magnitudes, a LoRA bias and a module trained whole all moved
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"use_dora": True},
+    {"lora_bias": True, "target_modules": ["q_proj", "k_proj"]},
+    {"modules_to_save": ["lm_head"]},
+    {"target_modules": ["embed_tokens", "q_proj"]},
+], ids=["lora", "dora", "lora-bias", "modules-to-save", "embedding"])
+def test_every_tensor_is_what_merge_and_unload_holds_under_the_base_checkpoints_names(settings):
+    """Found: DoRA's magnitudes, LoRA biases, an Embedding's LoRA and a module trained whole were sent unmerged (the
+    last under peft's wrapper names), so a merge-mode rollout served the frozen base there."""
+    model = peft_model(**settings)
+    merged = MergedLora(model)
+    expected = CheckpointView(copy.deepcopy(model).merge_and_unload())
+    assert [m.name for m in merged.metadata()] == [m.name for m in expected.metadata()]
+    differ = [m.name for m in expected.metadata() if not torch.equal(merged.tensor(m.name), expected.tensor(m.name))]
+    assert not differ
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), peft_model(**settings).state_dict().values()))
+
+
+def test_what_merge_mode_cannot_merge_is_refused_naming_the_module():
+    with pytest.raises(ConfigError, match=r"model\.embed_tokens \(TrainableTokensWrapper\).*sync_adapter"):
+        MergedLora(peft_model(trainable_token_indices=[1, 2]))
