@@ -502,8 +502,12 @@ class ReplicaCore:
         except BaseException as error:
             reason, model_changed = f"{reason}; resuming the engine's scheduler failed: {error!r}", True
         status = self.lifecycle.failed(sync_id, reason, model_changed=model_changed)
-        self.engine.release_requests(status.reason if status.phase is Phase.REFUSING else None)  # they run, or are refused
         self._record(sync_id, None, f"failed: {reason}")
+        try:
+            self.engine.release_requests(status.reason if status.phase is Phase.REFUSING else None)  # run, or refused
+        except Exception as error:  # noqa: BLE001 - the caller's failure is the one to raise, not this echo of it
+            # A server that cannot be reached keeps its gate shut until an update's release reaches it.
+            log.error("replica: releasing the requests held by sync %s failed: %r", sync_id, error)
         return status
 
     def _loaded_anything(self) -> bool | None:
@@ -526,13 +530,18 @@ class ReplicaCore:
         }
 
     def _watch_leases(self) -> None:
+        """Close an update whose sync stopped calling. Runs for the replica's life: a failure closing one update is
+        logged, never the end of the watch, or every later update whose driver died would stay open."""
         while not self._closed.wait(_WATCHDOG_PERIOD_S):
             if self.lifecycle.expired() is None:
                 continue
-            with self._lock:
-                expired = self.lifecycle.expired()  # a call may have renewed it meanwhile
-                if expired is not None:
-                    self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
+            try:
+                with self._lock:
+                    expired = self.lifecycle.expired()  # a call may have renewed it meanwhile
+                    if expired is not None:
+                        self._close(expired, f"sync {expired} stopped calling (its driver died or was interrupted)")
+            except Exception:  # noqa: BLE001
+                log.exception("replica: closing an update whose lease lapsed failed")
 
 
 @dataclass

@@ -144,3 +144,39 @@ def test_an_update_whose_sync_stopped_calling_is_closed_by_the_watchdog():
     assert status.phase is Phase.SERVING and "release_requests" in engine.calls  # nothing loaded: back to serving
     assert "stopped calling" in core.last_update()["outcome"]
     core.close()
+
+
+class UnreleasingEngine(RecordingEngine):
+    """A server's gate that cannot be reached, `failures` times, when the held requests are released."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def release_requests(self, refusal: str | None = None) -> None:
+        super().release_requests(refusal)
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("the gate did not answer")
+
+
+def test_a_failed_release_neither_stops_the_watchdog_nor_hides_the_failure_that_closed_the_update():
+    """Found by review: a release that raised escaped the watchdog's thread, which ended, so every later update whose
+    driver died stayed open for ever; on a driver's failing call it replaced the failure the driver should see."""
+    engine = UnreleasingEngine(failures=3)
+    core, plan, config, _ = _setup(engine)
+    short = SyncConfig(bucket_bytes=100_000, timeout_s=0.2, transport="ray")
+    for sync_id in ("s1", "s2"):  # s1's release fails inside the watchdog; s2 is still closed by it
+        core.begin_update(plan, sync_id, short)
+        deadline = time.monotonic() + 10
+        while core.status().phase is Phase.UPDATING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.status().phase is Phase.SERVING, sync_id
+        assert f"sync {sync_id} stopped calling" in core.last_update()["outcome"]
+    engine.drop = "model.layers.1.mlp.down_proj.weight"
+    version = core.begin_update(plan, "s3", config)
+    for bucket in produce_buckets(plan, checkpoint_tensors(tiny_decoder())):
+        core.load_bucket("s3", version, bucket)
+    with pytest.raises(VerificationError, match="down_proj"):  # the failure itself, not the release's echo of it
+        core.finish_update("s3", version)
+    core.close()
