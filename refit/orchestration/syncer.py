@@ -286,9 +286,12 @@ class Syncer:
                 f"the Syncer has {len(self._fleet.members)} replica(s) and SyncConfig.min_replicas={self.config.min_replicas}: "
                 "add replicas (add_replica) or lower min_replicas"
             )
+        # Asked of the trainer before any replica begins (its weights do not change during a sync), so a probe that
+        # cannot be made fails the sync with every replica still serving, not after every bucket loaded.
+        probe = None if self.config.verify is not Verify.PROBE else self._probe_request()
         roll = Roll(self._fleet.members, self.config.min_replicas)
         stages: dict[str, float] = {}
-        done = self._attempts(plan, roll, stages)
+        done = self._attempts(plan, roll, stages, probe)
         self._fleet.keep(roll.members)
         if roll.dropped:
             log.warning("sync %s v%d: %d replica(s) serve it (%.3f s); dropped from the fleet: %s", done.sync_id, done.version,
@@ -307,7 +310,7 @@ class Syncer:
         record_sync(report, verified=self.config.verify is not Verify.OFF, syncer=self.config.metrics_tag)
         return report
 
-    def _attempts(self, plan: TransferPlan, roll: Roll, stages: dict[str, float]) -> Attempt:
+    def _attempts(self, plan: TransferPlan, roll: Roll, stages: dict[str, float], probe: ProbeRequest | None) -> Attempt:
         """Attempt the sync until every member finished it; over `collective` each attempt after the first lost a member.
 
         A failure that is no such loss (or a second wrong delta base) fails
@@ -319,7 +322,7 @@ class Syncer:
             sync_id = uuid.uuid4().hex[:12]
             try:
                 try:
-                    return Attempt(sync_id, attempts, *self._attempt(plan, sync_id, roll, stages))
+                    return Attempt(sync_id, attempts, *self._attempt(plan, sync_id, roll, stages, probe))
                 except Exception as error:
                     lost = self._group.lost_with_it(error, roll)
                     if not lost:
@@ -339,7 +342,7 @@ class Syncer:
                 raise cause from None
 
     def _attempt(
-        self, plan: TransferPlan, sync_id: str, roll: Roll, stages: dict[str, float]
+        self, plan: TransferPlan, sync_id: str, roll: Roll, stages: dict[str, float], probe: ProbeRequest | None
     ) -> tuple[int, dict[str, float], dict[str, FinishedUpdate], dict[str, str], list[list[Outcome]]]:
         """Begin, stream and finish on the roll's members; returns the version, each one's load seconds, finish and mode,
         and the answers to what the report asks (`Attempt.answers`).
@@ -381,11 +384,10 @@ class Syncer:
         stages["stream"], stage = time.perf_counter() - stage, time.perf_counter()
         log.debug("sync %s v%d: streamed %d bucket(s), %.1f MiB per replica", sync_id, version, len(plan.buckets),
                   plan.wire_bytes / 2**20)
-        probe = () if self.config.verify is not Verify.PROBE else (self._probe_request(),)
         roll.stage = "finish"
         # What the report and the delta bookkeeping ask, in finish's round: the trainer's stream is over, so its
         # base and stats are final, and a replica's node never changes.
-        finishing, *answers = call_groups([(roll.members, "finish_update", (sync_id, version, *probe)),
+        finishing, *answers = call_groups([(roll.members, "finish_update", (sync_id, version, *(() if probe is None else (probe,)))),
                                            (self._delta.entry_sources(), "base_entries", ()),
                                            *report_questions(roll, self._sources, self._nodes)], timeout_s=timeout)
         finished = roll.settle(finishing, sync_id)

@@ -199,6 +199,23 @@ def test_verify_probe_needs_a_trainer_that_can_score_prompts():
         Syncer(trainer, replicas, replace(CONFIG, verify="probe"))
 
 
+def test_a_probe_that_cannot_be_made_fails_the_sync_before_any_replica_begins():
+    """Found by review: the probe was asked for after every bucket loaded, so a rollout model without vocab_size
+    (or a trainer that failed to score) left every replica refusing, at every sync."""
+    from dataclasses import replace
+
+    class ScoringTrainer(FakeTrainer):
+        def reference_logprobs(self, prompts):
+            return [[0.0] * (len(prompt) - 1) for prompt in prompts]
+
+    model = tiny_decoder()
+    trainer, replicas = ScoringTrainer(model), [FakeReplica(expected_names(model)) for _ in range(2)]
+    Syncer(trainer, replicas, CONFIG).sync()
+    with pytest.raises(ConfigError, match="verify='probe' needs the rollout model's vocab_size"):
+        Syncer(trainer, replicas, replace(CONFIG, verify="probe")).sync()
+    assert [(r.begins, r.status().phase, r.status().served_version) for r in replicas] == [(1, Phase.SERVING, 1)] * 2
+
+
 def test_the_report_times_every_stage():
     trainer, replicas = setup()
     report = Syncer(trainer, replicas, CONFIG).sync()
