@@ -26,6 +26,7 @@ the driver to clean up after it, since that driver may be gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -455,7 +456,14 @@ class ReplicaCore:
             # refuses dummy scales: make placeholders valid (1.0) first.
             self.workers.apply_kv_policy(KvScalePolicy.AUTO, version, None)
             self.workers.start_amax()
-            self.engine.generate(calibration_prompts, 1)
+            try:
+                self.engine.generate(calibration_prompts, 1)
+            except BaseException:
+                # Take the hooks out (stop also says no layer was seen): left in, every later forward pass of the
+                # engine would measure every attention layer, a device sync each.
+                with contextlib.suppress(Exception):
+                    self.workers.stop_amax()
+                raise
             measured = self.workers.stop_amax()
         written = self.workers.apply_kv_policy(policy, version, measured)
         self.engine.reset_prefix_cache()

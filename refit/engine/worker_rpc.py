@@ -258,11 +258,17 @@ class RefitWorkerExtension:
 
     def refit_start_amax(self) -> None:
         backend = self._refit()
+        if backend.amax_recorder is not None:  # a pass that never stopped: its hooks go before new ones come
+            backend.amax_recorder.remove_hooks()
         backend.amax_recorder = AttentionAmaxRecorder(backend.model)
         backend.amax_recorder.start()
 
     def refit_stop_amax(self) -> AmaxRows:
-        amax = self._refit().amax_recorder.stop()
+        backend = self._refit()
+        recorder, backend.amax_recorder = backend.amax_recorder, None
+        if recorder is None:
+            raise EngineError("refit_stop_amax without refit_start_amax: no KV-scale calibration pass is running")
+        amax = recorder.stop()
         return [(module, scale, value) for (module, scale), value in amax.items()]
 
     def refit_apply_kv_policy(self, policy: str, version: int, measured: AmaxRows | None) -> list[str]:

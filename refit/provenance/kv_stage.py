@@ -123,10 +123,13 @@ class AttentionAmaxRecorder:
         self._amax.clear()
         self._handles = [m.register_forward_pre_hook(self._hook_for(n), with_kwargs=True) for n, m in self._layers.items()]
 
-    def stop(self) -> dict[tuple[str, str], float]:
+    def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def stop(self) -> dict[tuple[str, str], float]:
+        self.remove_hooks()
         missing = [n for n in self._layers if (n, "k_scale") not in self._amax]
         if missing:
             raise EngineError(

@@ -180,3 +180,21 @@ def test_a_failed_release_neither_stops_the_watchdog_nor_hides_the_failure_that_
     with pytest.raises(VerificationError, match="down_proj"):  # the failure itself, not the release's echo of it
         core.finish_update("s3", version)
     core.close()
+
+
+def test_a_failed_calibration_pass_takes_its_measuring_hooks_out_and_fails_the_update():
+    """Found by review: a calibration pass whose generate raised left the workers' amax hooks in, so every later
+    forward pass measured every attention layer (a device sync each), one more set per failed recompute."""
+
+    class FailingCalibration(RecordingEngine):
+        def generate(self, prompts, max_tokens, *, prompt_logprobs=False) -> Generation:
+            super().generate(prompts, max_tokens, prompt_logprobs=prompt_logprobs)
+            raise RuntimeError("the engine core died")
+
+    engine = FailingCalibration()
+    core, plan, config, buckets = _setup(engine, kv_scales="recompute", calibration_prompts=[[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="the engine core died"):
+        _sync(core, plan, config, buckets)
+    stage = engine.calls[engine.calls.index("refit_start_amax"):]
+    assert stage[:3] == ["refit_start_amax", "generate", "refit_stop_amax"]
+    assert core.status().phase is Phase.REFUSING
