@@ -203,9 +203,15 @@ class RefitWorkerExtension:
         return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_STARTED:.6f}"
 
     def refit_abandon_update(self) -> None:
-        """Close a failed update, whether or not vLLM's worker still counts it as active."""
-        self._refit().abandon()
-        self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
+        """Close a failed update, whether or not vLLM's worker still counts it as active.
+
+        The worker's session flag is cleared even when closing the reload fails: left set, vLLM would refuse every
+        later update's start ("already active"), and the replica could never be repaired by a sync.
+        """
+        try:
+            self._refit().abandon()
+        finally:
+            self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
 
     def refit_join_group(self, rendezvous: list, member_offset: int) -> None:
         """Join the sync's collective group as member `member_offset` + this worker's rank in its engine."""
