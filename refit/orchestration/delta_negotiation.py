@@ -93,7 +93,15 @@ class DeltaNegotiation:
     def settled(self, sync_id: str, version: int, finished: dict[str, FinishedUpdate],
                 entries: list[Outcome]) -> str | None:
         """After a sync: the trainer's digest from the ranks' `base_entries` (asked of `entry_sources`; None when deltas
-        are off), naming the replicas that hold another one."""
+        are off), naming the replicas that hold another one.
+
+        Asked after every replica finished: a trainer that no longer answers leaves the digest unknown (None, as in
+        the report), never a failed sync that every replica already serves."""
+        unanswered = [f"{o.who}: {o.error}" for o in entries if not o.ok]
+        if unanswered:
+            log.warning("sync %s v%d: every replica serves it, but the trainer did not say what it streamed, so the "
+                        "report has no digest (%s)", sync_id, version, "; ".join(unanswered))
+            return None
         digest = self.sender_digest(entries) if entries else None
         unequal = [who for who, f in finished.items() if digest is not None and f.digest not in (None, digest)]
         if unequal:
