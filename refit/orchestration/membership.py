@@ -67,7 +67,7 @@ class Membership:
         return problems
 
     def add(self, replica: RolloutReplica, model: RolloutModelInfo | None) -> str:
-        """Check `replica`, wait until it started, compare it with the plan's `model` (if planned), then admit it."""
+        """Check `replica`, wait until it started, compare it with the fleet's `model` (once described), then admit it."""
         if (member := self.find(replica)) is not None:
             raise ConfigError(f"this replica is already {member} of this Syncer")
         who = replica_name(self._next_id)
@@ -78,7 +78,7 @@ class Membership:
         wait_until_started([(who, replica)], timeout_s=self.config.startup_timeout_s)
         if model is not None:
             (info,) = raise_first_error(call_all([(who, replica)], "describe", timeout_s=self.config.timeout_s))
-            check_same_model([("the plan's rollout model", model), (who, info)])
+            check_same_model([("the fleet's rollout model", model), (who, info)])
         self._next_id += 1
         self.members.append((who, replica))
         log.info("%s joined (%d replica(s)); the next sync sends it every weight", who, len(self.members))

@@ -153,14 +153,14 @@ class Syncer:
 
         It is checked as the constructor checks replicas (the protocol's
         methods, and the transport's), then, once it has started (waited for
-        up to `SyncConfig.startup_timeout_s`), against the plan's rollout model
-        if a plan was made, so a replica of another model is refused here
+        up to `SyncConfig.startup_timeout_s`), against the fleet's rollout model
+        once the fleet was described (by a plan or an adapter sync), so a replica of another model is refused here
         rather than failing a sync of the whole fleet. Until the next sync
         completes it serves whatever it started with (a dummy-loaded engine
         refuses). Over `collective`, the next sync makes a new group with it.
         """
         with self._alone("add_replica"):
-            return self._fleet.add(replica, self._rollout_model if self._plan is not None else None)
+            return self._fleet.add(replica, self._rollout_model)  # known once the fleet was described
 
     def remove_replica(self, replica: RolloutReplica | int | str) -> str:
         """Remove a replica from the fleet between syncs (by handle, id or name); returns its name.
@@ -206,8 +206,9 @@ class Syncer:
         name, self._transport_reason = pick_transport(self._sources, self._fleet.members, self.config)
         if self.transport != name:
             self._group.disconnect(self._fleet.members)
+            # The fleet keeps `auto`: a replica added later is checked for what some transport needs, and the next
+            # sync picks again for the changed fleet.
             self.config = replace(self.config, transport=name)
-            self._fleet.config = self.config
             self._group = CollectiveGroupLifecycle(self._sources, self.config)
             self._delta = DeltaNegotiation(self._sources, self.config)
         self._picked_for = tuple(self._fleet.names)

@@ -59,9 +59,37 @@ def test_joining_and_leaving_are_checked():
         def describe(self):
             return dataclasses.replace(super().describe(), tie_word_embeddings=True)
 
-    with pytest.raises(ConfigError, match="rollout 2 runs a differently configured model than the plan's rollout model"):
+    with pytest.raises(ConfigError, match="rollout 2 runs a differently configured model than the fleet's rollout model"):
         syncer.add_replica(OtherModel(expected_names(trainer.model)))
     assert syncer.replica_names == ["rollout 0", "rollout 1"]  # the refused one never joined (and its id is free)
+
+
+def test_a_replica_of_another_model_is_refused_once_the_fleet_was_described_even_without_a_plan():
+    """Found by review: only a made plan armed the check, so after a plan that failed (or an adapter sync) a replica
+    of another model joined unchecked."""
+
+    class OtherModel(FakeReplica):
+        def describe(self):
+            return dataclasses.replace(super().describe(), tie_word_embeddings=True)
+
+    trainer, replicas = setup(2)
+    syncer = Syncer(trainer, replicas, CONFIG)
+    syncer._describe_rollouts()  # what a plan that then failed, or an adapter sync, asks first
+    with pytest.raises(ConfigError, match="rollout 2 runs a differently configured model than the fleet's rollout model"):
+        syncer.add_replica(OtherModel(expected_names(trainer.model)))
+
+
+def test_after_auto_picked_a_transport_a_newcomer_is_checked_for_auto_not_for_the_pick(monkeypatch):
+    """Found by review: the pick replaced the fleet's own setting, so a replica that only the object store suits was
+    refused as lacking what the picked transport needs, although the next sync would have picked again."""
+    import refit.orchestration.syncer as syncer_module
+
+    trainer, replicas = setup(2)
+    syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, transport="auto"))
+    monkeypatch.setattr(syncer_module, "pick_transport", lambda *_: ("collective", "every member can join a group"))
+    syncer._pick_transport()  # as a sync does first
+    assert syncer.transport == "collective"
+    assert syncer.add_replica(FakeReplica(expected_names(trainer.model))) == "rollout 2"
 
 
 def test_a_replica_passed_twice_or_a_value_where_an_actor_belongs_is_refused_by_name():
