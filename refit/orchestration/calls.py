@@ -141,6 +141,11 @@ def wait_all(
             _wait_until_a_death([(who, ref) for who, ref in pending if not isinstance(ref, Outcome)], method, timeout_s)
         else:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return _outcomes(pending, method, timeout_s)
+
+
+def _outcomes(pending: Sequence[tuple[str, Any]], method: str, timeout_s: float) -> list[Outcome]:
+    """Each call's outcome as it stands now (one still running: unanswered within `timeout_s`)."""
     return [ref if isinstance(ref, Outcome) else _resolve(who, method, ref, timeout_s) for who, ref in pending]
 
 
@@ -166,7 +171,12 @@ def call_groups(groups: Sequence[tuple[Sequence[tuple[str, Any]], str, tuple]], 
     """Several `call_all`s, `(targets, method, args)` each, in one round: every call is sent before any is waited for,
     so the questions a sync asks between its steps cost one round trip, not one each."""
     pending = [(submit_all(targets, method, *args), method) for targets, method, args in groups]
-    return [wait_all(calls, method, timeout_s=timeout_s) for calls, method in pending]
+    refs = [ref for calls, _ in pending for _, ref in calls if not isinstance(ref, Outcome)]
+    if refs:  # one deadline for the round: a hung member in each group must not make it two
+        import ray
+
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return [_outcomes(calls, method, timeout_s) for calls, method in pending]
 
 
 def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:

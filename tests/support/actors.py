@@ -236,6 +236,17 @@ class UnreadableReplica:
         return []
 
 
+@ray.remote(num_cpus=0)
+class Unresponsive:
+    """An actor whose `answer` never comes back (a hung trainer or replica); `ping` answers at once."""
+
+    def ping(self) -> bool:
+        return True
+
+    def answer(self) -> None:
+        threading.Event().wait()
+
+
 class KeptMessages(logging.Handler):
     """A log handler that keeps each record's message and level name."""
 
