@@ -40,6 +40,7 @@ import os
 import stat
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -144,14 +145,16 @@ class SharedSegments:
         self._ring: list[_Segment | None] = []
         self._cursor = 0
         self._sequence = itertools.count(1)
-        self._lent: dict[int, tuple[np.ndarray, _Segment, int]] = {}  # id(buffer) -> (buffer, its file, its number)
+        # id(buffer) -> (the buffer, weakly: a producer that dropped it writes there no more; its file; its number)
+        self._lent: dict[int, tuple[weakref.ref, _Segment, int]] = {}
 
     def reserve(self, nbytes: int, keep: int) -> np.ndarray:
         """The next file's first `nbytes`, writable, numbered as the next bucket (`buffers_from`'s allocator)."""
         with self._lock:
+            self._lent = {key: lent for key, lent in self._lent.items() if lent[0]() is not None}
             segment, sequence = self._next(nbytes, keep)
             buffer = segment.data[:nbytes]
-            self._lent[id(buffer)] = (buffer, segment, sequence)
+            self._lent[id(buffer)] = (weakref.ref(buffer), segment, sequence)
             while len(self._lent) > keep:  # a bucket is sent right after it is written: older ones were never sent
                 del self._lent[next(iter(self._lent))]
         return buffer
@@ -164,7 +167,7 @@ class SharedSegments:
         buffer = np.asarray(bucket.buffer)  # a host bucket (the trainer packs on the host)
         with self._lock:
             lent = self._lent.pop(id(bucket.buffer), None)
-            if (lent is not None and lent[0] is bucket.buffer and any(lent[1] is segment for segment in self._ring)
+            if (lent is not None and lent[0]() is bucket.buffer and any(lent[1] is segment for segment in self._ring)
                     and lent[1].holds() == lent[2]):
                 _, segment, sequence = lent
             elif any(segment is not None and np.may_share_memory(buffer, segment.data) for segment in self._ring):
@@ -179,8 +182,18 @@ class SharedSegments:
         """The next file of the ring, at least `nbytes` long, numbered as the next bucket; the caller holds the lock."""
         if len(self._ring) != keep:
             self._resize(keep)
-        slot = self._cursor % keep
-        self._cursor += 1
+        # A file lent to a bucket still being written (another stream of a threaded actor) is passed over: renumbered
+        # and written by this bucket too, the late writes of the other would land in this one after it was sent.
+        being_written = {id(lent[1]) for lent in self._lent.values() if lent[0]() is not None}
+        for _ in range(keep):
+            slot = self._cursor % keep
+            self._cursor += 1
+            if id(self._ring[slot]) not in being_written:
+                break
+        else:
+            raise TransportError(f"every one of this trainer process's {keep} shared-memory files holds a bucket "
+                                 "another stream is still writing; this stream is refused (run one sync at a time "
+                                 "per trainer over shm, or raise SyncConfig.max_buckets_in_flight)")
         segment = self._ring[slot]
         if segment is None or segment.capacity < nbytes:
             if segment is not None:

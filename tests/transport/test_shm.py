@@ -101,12 +101,33 @@ def test_a_bucket_written_in_its_file_is_sent_without_a_copy(ring: SharedSegment
     assert bytes(open_shm_bucket(copied).buffer) == bytes(fresh.buffer)
 
 
-def test_a_file_taken_by_another_stream_while_a_bucket_was_written_in_it_is_refused(ring: SharedSegments) -> None:
+def test_a_file_still_being_written_is_never_lent_to_another_stream(ring: SharedSegments) -> None:
+    """Found by review: a second stream of a threaded actor could be lent the file a first stream was still writing
+    into; it renumbered the file, wrote and sent its bucket, and the first stream's late writes then changed that
+    sent bucket under its own, valid, number (undetected with `verify="off"`). The busy file is passed over."""
+    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=2)):
+        slow = bucket(0, 7.0)  # stream A: its bucket's file, written later
+        sent = []
+        for index in range(2):  # stream B: each bucket sent as soon as it is written; the ring wraps round
+            fast = bucket(index, 1.0 + index)
+            sent += ring.send([fast], keep=2)
+    slow.buffer[:] = 0xAB  # A's late writes
+    assert bytes(open_shm_bucket(sent[1]).buffer) == bytes(fast.buffer)  # B's last bucket is B's
+    refuse_rewritten(sent[1])
+    assert bytes(open_shm_bucket(list(ring.send([slow], keep=2))[0]).buffer) == bytes(slow.buffer)
+
+
+def test_a_stream_is_refused_when_every_file_holds_a_bucket_another_stream_is_writing(ring: SharedSegments) -> None:
     with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
         first = bucket(0, 1.0)
-        bucket(1, 2.0)  # another stream's producer takes the ring's only file before the first is sent
-    with pytest.raises(TransportError, match="bucket 0's shared memory was taken by another stream while it was written"):
-        list(ring.send([first], keep=1))
+        with pytest.raises(TransportError, match="every one of this trainer process's 1 shared-memory files holds a "
+                                                 "bucket another stream is still writing"):
+            bucket(1, 2.0)
+    assert bytes(open_shm_bucket(list(ring.send([first], keep=1))[0]).buffer) == bytes(first.buffer)
+    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
+        bucket(2, 3.0)  # a bucket its producer dropped unsent holds its file no more
+        later = bucket(3, 4.0)
+    assert bytes(open_shm_bucket(list(ring.send([later], keep=1))[0]).buffer) == bytes(later.buffer)
 
 
 def test_a_worker_unmaps_the_files_its_last_update_did_not_read(ring: SharedSegments) -> None:
