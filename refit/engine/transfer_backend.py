@@ -256,16 +256,21 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         draft = [(name.removeprefix(DRAFT_PREFIX), tensor) for name, tensor in tensors if name.startswith(DRAFT_PREFIX)]
         if draft and self.draft is None:
             raise LifecycleError(f"draft tensors arrived ({draft[0][0]}, ...) but this engine has no draft model")
-        if target:
-            self._loaded |= self._reload.load(target)  # a tied alias's bytes arrive through its tie
-        if draft:
-            self.draft.load(draft)
+        try:
+            if target:
+                self._loaded |= self._reload.load(target)  # a tied alias's bytes arrive through its tie
+            if draft:
+                self.draft.load(draft)
+            # Scales are 1/16384 of their weights: cheap to keep until finish. Copied before the rewrite check below,
+            # so the check covers these copies too.
+            sent_scales = {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")} if update_info.verify else {}
+        finally:
+            if parts is not None:  # after a failed load too: the abandon that follows finalizes layers from what they hold
+                copy_out_held(spans)
         if parts is not None:
-            copy_out_held(spans)
             self._kind.loaded(parts)  # bytes another writer changed while they loaded or were copied out (shm): refused
         self._verify = update_info.verify
-        if update_info.verify:  # scales are 1/16384 of their weights: cheap to keep until finish
-            self._sent_scales |= {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")}
+        self._sent_scales |= sent_scales
 
     def _arrived(self, parts: list[BucketContents], update_info: RefitUpdateInfo) -> tuple[list[tuple[str, torch.Tensor]],
                                                                                             list[tuple[int, int]]]:
