@@ -148,6 +148,9 @@ class WireBucket:
     def unpack_rows(self) -> list[tuple[WireTensor, torch.Tensor]]:
         """Each table entry (with its row offset) and its view into the buffer; a delta entry's as raw bytes."""
         flat = _as_tensor(self.buffer)
+        for t in self.tensors:  # a table that does not fit its buffer is refused by name, before any view is made
+            if problem := _entry_problem(t, flat.numel()):
+                raise InvalidTensorError(f"bucket {self.index}: {problem}")
         return [(t, raw if t.changed is not None else raw.view(_DTYPES[t.dtype]).reshape(t.shape))
                 for t in self.tensors for raw in (flat[t.offset : t.offset + t.nbytes],)]
 
@@ -249,6 +252,17 @@ def wire_dtype_problem(name: str, dtype: str) -> str | None:
     if dtype in _DTYPES:
         return None
     return f"{name}: dtype {dtype} cannot travel in a refit bucket; expected one of {sorted(_DTYPES)}"
+
+
+def _entry_problem(entry: WireTensor, buffer_bytes: int) -> str | None:
+    """Why a table entry cannot be read from a buffer of `buffer_bytes`, or None."""
+    if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > buffer_bytes:
+        return f"{entry.name}: bytes {entry.offset}..{entry.offset + entry.nbytes} lie outside its {buffer_bytes}-byte buffer"
+    if problem := wire_dtype_problem(entry.name, entry.dtype):
+        return problem
+    if entry.changed is None and entry.nbytes != math.prod(entry.shape) * _DTYPES[entry.dtype].itemsize:
+        return f"{entry.name}: {entry.nbytes} bytes for shape {list(entry.shape)} of {entry.dtype}"
+    return None
 
 
 def element_view(dtype: str) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""Wire buckets: every dtype survives Ray's object store, float8 included.
+"""Wire buckets: every dtype survives Ray's object store, float8 included; a table that does not fit its buffer is
+refused by name.
 
 Ray 2.60 cannot carry float8 tensors (`ray.get` fails with "UntypedStorage has
 no attribute 'dtype'", FACTS.md); a bucket travels as raw bytes instead.
@@ -6,10 +7,14 @@ no attribute 'dtype'", FACTS.md); a bucket travels as raw bytes instead.
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import ray
 import torch
 
-from refit.transport.buckets import pack_bucket
+from refit.errors import InvalidTensorError
+from refit.transport.buckets import WireBucket, pack_bucket
 
 
 def sample_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -47,3 +52,20 @@ def test_round_trip_through_the_object_store(ray_cluster):
     assert not fetched.buffer.flags.writeable  # zero-copy view of the object store
     assert_same(fetched.unpack(), tensors)
 
+
+
+@pytest.mark.parametrize(("wrong", "says"), [
+    ({"nbytes": 12}, "layer.1.w: 12 bytes for shape [8] of float32"),
+    ({"offset": 112}, "layer.1.w: bytes 112..144 lie outside its 128-byte buffer"),
+    ({"dtype": "float4_e2m1fn_x2"}, "layer.1.w: dtype float4_e2m1fn_x2 cannot travel in a refit bucket"),
+    ({"shape": (5,)}, "layer.1.w: 32 bytes for shape [5] of float32"),
+])
+def test_a_table_of_contents_that_does_not_fit_its_buffer_is_refused_naming_the_entry(wrong, says):
+    """Found by review: such a table failed with a bare KeyError or torch's "shape is invalid", naming no tensor."""
+    import dataclasses
+
+    packed = pack_bucket(3, [("layer.0.w", torch.ones(4)), ("layer.1.w", torch.ones(8))])
+    entries = list(packed.tensors)
+    entries[1] = dataclasses.replace(entries[1], **wrong)
+    with pytest.raises(InvalidTensorError, match=re.escape(f"bucket 3: {says}")):
+        WireBucket(3, tuple(entries), packed.buffer).unpack_rows()
