@@ -27,6 +27,8 @@ from refit.plan.transfer_plan import TransferPlan
 from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
 from refit.transport.buckets import BucketContents, WireBucket, buffers_from
 from refit.transport.collective import Rendezvous
+from refit.transport.delta import DeltaMode
+from refit.transport.kinds import kind_of_handle
 from refit.transport.sender import TransportSender
 from refit.transport.shm import host_identity
 
@@ -58,8 +60,13 @@ class TrainerWeights:
                        delta: str = "off") -> Iterator[WireBucket | BucketContents]:
         """The plan's buckets (deltas where `delta` says), carried by `transport`; times the producing."""
         self._stream_seconds = 0.0
+        allocate = self.sender.bucket_buffers(transport)
+        if allocate is not None and DeltaMode(delta) is not DeltaMode.OFF:
+            # The base would view the transport's memory, which later buckets and syncs rewrite under it.
+            raise ConfigError(f"delta={delta!r} over a transport that writes each bucket into memory it reuses "
+                              f"({kind_of_handle(transport).name}): no delta base can be kept; stream with delta='off'")
         buckets = self.sender.encode(self._produce(plan), delta)
-        written = _timed(buckets, self._add_stream_seconds, self.sender.bucket_buffers(transport))
+        written = _timed(buckets, self._add_stream_seconds, allocate)
         yield from self.sender.send(written, transport)
 
     def base_entries(self) -> list[tuple]:

@@ -145,3 +145,21 @@ def test_a_platform_without_memory_files_is_refused_by_name(ring: SharedSegments
     monkeypatch.delattr(os, "memfd_create")
     with pytest.raises(TransportError, match=r"transport='shm' needs memory files \(os.memfd_create: Linux\)"):
         list(ring.send([bucket(0, 1.0)], keep=1))
+
+
+def test_a_delta_base_over_shm_is_refused_by_name() -> None:
+    """Found by review: a base kept over shm viewed the ring's files, which later buckets rewrite under it (the
+    Syncer streams `delta="off"` over shm; a direct call could ask for more)."""
+    import refit
+    from refit.errors import ConfigError
+    from refit.plan import RolloutModelInfo, SyncConfig, checkpoint_tensors, describe_weights, make_plan, produce_buckets
+    from refit.transport.shm import ShmHandle
+    from tests.support.fakes import FP8_BLOCK, tiny_decoder
+
+    model = tiny_decoder()
+    plan = make_plan(describe_weights(model), RolloutModelInfo(FP8_BLOCK, False), SyncConfig(transport="shm"))
+    weights = refit.TrainerWeights(lambda: describe_weights(model), lambda p: produce_buckets(p, checkpoint_tensors(model)))
+    with pytest.raises(ConfigError, match=r"delta='full' over a transport that writes each bucket into memory it reuses "
+                                          r"\(shm\): no delta base can be kept"):
+        next(weights.stream_buckets(plan, ShmHandle(6), "full"))
+    assert len(list(weights.stream_buckets(plan, ShmHandle(6), "off"))) == len(plan.buckets)
