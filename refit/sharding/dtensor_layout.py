@@ -67,14 +67,22 @@ class DTensorLayout:
         return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
 
     def check_finite(self, plan: TransferPlan, rank: int) -> None:
-        checked: set[int] = set()  # parameters, by id: a fused one stands for many planned tensors
+        """Each local shard once, whole; one that holds NaN or Inf is searched for the planned tensors whose rows here
+        hold it (a fused parameter holds many: every expert's). A tensor whose part here does not start and end on
+        its rows cannot be searched without a gather: then the message names every such candidate."""
+        held: dict[int, tuple[torch.Tensor, list[str]]] = {}
         for planned in plan.tensors:
             param, _ = self.view.location(planned.source)
-            if id(param) in checked:
+            held.setdefault(id(param), (param, []))[1].append(planned.source)
+        for param, names in held.values():
+            if is_finite(_local(param).detach()):
                 continue
-            checked.add(id(param))
-            if not is_finite(_local(param).detach()):
-                raise InvalidTensorError(f"refusing to send any weight: {planned.source} holds NaN or Inf on rank {rank}")
+            rows = {name: self.held(name) for name in names}
+            bad = [name for name, span in rows.items() if isinstance(span, tuple) and not is_finite(self.rows(name, *span))]
+            unsure = [name for name, span in rows.items() if span is None]
+            if bad or unsure:
+                what = f"{', '.join(bad)} {'holds' if len(bad) == 1 else 'hold'}" if bad else f"one of {', '.join(unsure)} holds"
+                raise InvalidTensorError(f"refusing to send any weight: {what} NaN or Inf on rank {rank}")
 
     def shard_bytes(self) -> int:
         return sum(_local(t).numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))

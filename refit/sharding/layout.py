@@ -46,7 +46,8 @@ class RankLayout(Protocol):
         ...
 
     def check_finite(self, plan: TransferPlan, rank: int) -> None:
-        """Raise `InvalidTensorError` naming the first planned tensor whose local values hold NaN or Inf."""
+        """Raise `InvalidTensorError` naming the planned tensors whose values on this rank hold NaN or Inf (values that
+        no planned tensor sends, such as padding, are not refused)."""
         ...
 
     def shard_bytes(self) -> int:

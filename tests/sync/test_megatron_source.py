@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 
 import refit
 from actors import MegatronGroup, MegatronParallel
@@ -164,6 +165,21 @@ def test_a_megatron_rank_that_dies_in_a_gather_is_named_and_the_replica_is_never
     status = ray.get(replica.status.remote(), timeout=30)
     # Its old version whole, or (buckets of the new one loaded) refusing until the next sync: never a mix.
     assert status.phase in (Phase.SERVING, Phase.REFUSING) and status.served_version == version
+
+
+def test_a_nan_in_a_fused_parameter_is_refused_naming_the_tensor_that_holds_it_and_the_group_syncs_on(actors_factory):
+    """Found by review: the refusal named the first tensor cut from the parameter (q_proj, for a NaN in the v rows of
+    `linear_qkv`), and checked the parameter once per tensor cut from it."""
+    import re
+
+    group = actors_factory.megatron_group(model_dir(False, "bf16"), MegatronParallel(tp=2), nodes=(0, 1), timeout_s=30)
+    replica = actors_factory.rollout(model_dir(False, "fp8_block"), node=2, **FP8_DUMMY)
+    v = "model.layers.1.self_attn.v_proj.weight"
+    assert group.apply([v], lambda part: torch.full_like(part, float("nan"))) == 2  # each TP rank's v rows
+    with pytest.raises(refit.InvalidTensorError, match=re.escape(v) + r" holds NaN or Inf on rank [01] \(in its megatron"):
+        refit.sync(group, [replica], CONFIG)
+    group.apply([v], torch.zeros_like)
+    assert refit.sync(group, [replica], CONFIG).replicas[0].served_version is not None
 
 
 def test_a_megatron_model_of_another_shape_is_refused_naming_the_tensor(actors_factory, tmp_path):

@@ -100,15 +100,21 @@ class MegatronLayout:
         return whole
 
     def check_finite(self, plan: TransferPlan, rank: int) -> None:
-        checked: set[int] = set()
+        """Each parameter once, whole; one that holds NaN or Inf is searched for the planned tensors that hold it (a
+        fused `linear_qkv` holds q, k and v), and refused only if one does: its vocabulary padding is never sent."""
+        held: dict[int, tuple[torch.Tensor, list[tuple[str, Slot]]]] = {}
         for planned in plan.tensors:
-            if planned.source not in self._sends:
+            if planned.source in self._sends:
+                param, slot = self._sends[planned.source]
+                held.setdefault(id(param), (param, []))[1].append((planned.source, slot))
+        for param, slots in held.values():
+            if is_finite(param.detach()):
                 continue
-            param, slot = self._sends[planned.source]
-            if id(param) not in checked and not is_finite(param.detach()):
-                raise InvalidTensorError(f"refusing to send any weight: {planned.source} holds NaN or Inf on rank {rank} "
+            bad = [name for name, slot in slots if not all(is_finite(view) for view in slot.views(param.detach()))]
+            if bad:
+                raise InvalidTensorError(f"refusing to send any weight: {', '.join(bad)} "
+                                         f"{'holds' if len(bad) == 1 else 'hold'} NaN or Inf on rank {rank} "
                                          f"(in its megatron parameter of shape {tuple(param.shape)})")
-            checked.add(id(param))
 
     def shard_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
