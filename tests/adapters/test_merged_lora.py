@@ -26,7 +26,7 @@ def peft_model(**settings):
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": False}
     model = get_peft_model(Qwen2ForCausalLM(config).to(torch.bfloat16), LoraConfig(**lora | settings))
     with torch.no_grad():  # as after training: DoRA's magnitudes, a LoRA bias and a module trained whole all moved
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.requires_grad:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
