@@ -75,6 +75,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -100,6 +101,15 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 GATE_MIDDLEWARE = "refit.engine.server_gate.RefitGate"
 """vLLM's `--middleware` for refit's gate: the key on every route, and the hold (refit/engine/server_gate.py)."""
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any) -> None:
+        return None  # the 30x is raised as an HTTPError: `_request` names it
+
+
+# Every request carries the key (and a sync's secrets): never through a proxy the environment names (urllib's default,
+# even for loopback), never re-sent to wherever a redirect points.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
 
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
 _KEY_HINT = (f"pass the server's key as api_key= (actors.ServerRollout.remote(url, api_key=KEY), "
@@ -302,7 +312,7 @@ class ServerAdapter:
         """The gate holds users' requests to generation routes from now on, until `release_requests`."""
         self._marked = False
         # The hold lapses into a refusal if this replica stops calling, as the core's own update lease does.
-        self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.0f}")
+        self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.3f}")
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
         """Requests that passed the gate before the hold end (`wait`: finish; `abort`: aborted), then vLLM's
@@ -340,10 +350,12 @@ class ServerAdapter:
     def release_requests(self, refusal: str | None = None) -> None:
         """The gate lets held requests go on: to the new version once it is marked; with `refusal`, to a 503 that
         says why, until a verified sync (a dummy-loaded server's, only once an update was verified)."""
-        if self._marked:
-            query = "synced=1"
-        elif refusal is not None:
+        # A refusal wins over a mark: an update that failed after the server's version was marked (its base digest
+        # unreadable, say) must not release its users to it as a synced version.
+        if refusal is not None:
             query = "refusing=" + urllib.parse.quote(refusal[:2000])
+        elif self._marked:
+            query = "synced=1"
         else:
             query = "synced=0"
         self._request("POST", f"/refit/release?{query}")
@@ -400,20 +412,31 @@ class ServerAdapter:
             headers[PASS_HOLD_HEADER] = "1"
         request = urllib.request.Request(self.url + path, data=data, method=verb, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            with _OPENER.open(request, timeout=timeout_s) as response:
                 payload = response.read()
         except urllib.error.HTTPError as error:
+            if 300 <= error.code < 400:
+                raise ServerError(
+                    f"the server at {self.url} answered {what} with a redirect (HTTP {error.code} to "
+                    f"{error.headers.get('Location')!r}); refit follows none, since each request carries the key: "
+                    "give the replica the server's own URL") from None
             raise self._refused(what, path, error.code, error.read().decode(errors="replace")) from None
-        except TimeoutError:
-            raise EngineHungError(
-                f"the server at {self.url} did not answer {what} within {timeout_s:.0f} s (SyncConfig.timeout_s); "
-                "it is hung or overloaded"
-            ) from None
         except (urllib.error.URLError, ConnectionError, OSError, http.client.HTTPException) as error:
+            cause = getattr(error, "reason", error)  # urllib wraps what failed while connecting
+            if isinstance(cause, TimeoutError):  # also a connect or TLS handshake that timed out
+                raise EngineHungError(
+                    f"the server at {self.url} did not answer {what} within {timeout_s:.0f} s (SyncConfig.timeout_s); "
+                    "it is hung or overloaded"
+                ) from None
+            if isinstance(cause, ssl.SSLCertVerificationError):
+                raise ServerError(
+                    f"the server at {self.url} presented a certificate this replica does not trust for {what} "
+                    f"({cause.verify_message}); give the replica's process the CA that signed it "
+                    "(SSL_CERT_FILE=PATH in its environment)") from None
             # An HTTPException (IncompleteRead, RemoteDisconnected): the connection closed part-way through the
             # answer, as when the server dies while it answers. The server is as gone as one that refuses connections.
             reason = (f"the connection closed before the answer was complete ({error!r})"
-                      if isinstance(error, http.client.HTTPException) else getattr(error, "reason", error))
+                      if isinstance(error, http.client.HTTPException) else cause)
             fix = if_unreachable or (
                 f"it died or its address is wrong. If it died, restart it ({_START_HINT}) and create a new "
                 "actors.ServerRollout for it"

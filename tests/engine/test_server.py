@@ -324,6 +324,87 @@ def test_an_impostor_answering_pickles_runs_nothing_in_the_replica_and_is_named_
     assert asked == ["/health", "/refit/state"] and not marker.exists()
 
 
+class _Recorder:
+    """A local HTTP server that records each request's path and Authorization header and answers `answer(path)`:
+    (status, headers, body); by default 200 with an empty JSON object."""
+
+    def __init__(self, answer=None) -> None:
+        import http.server
+        import threading
+
+        self.seen: list[tuple[str, str | None]] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                recorder.seen.append((self.path, self.headers.get("Authorization")))
+                status, headers, body = (answer or (lambda path: (200, {}, b"{}")))(self.path)
+                self.send_response(status)
+                for name, value in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _adapter(url: str, timeout_s: float = 10.0):
+    """A `ServerAdapter` for `url` without its connection checks (what the tests below exercise comes after them)."""
+    from refit.engine.server import ServerAdapter
+
+    adapter = object.__new__(ServerAdapter)
+    adapter.url, adapter._key, adapter.timeout_s, adapter._marked = url, "a key", timeout_s, False
+    return adapter
+
+
+def test_a_failed_update_releases_users_to_its_refusal_even_after_the_version_was_marked():
+    """Found by review: once `mark_version` ran, a failure after it (the workers' base digest unreadable) released the
+    held requests as a synced version while the replica refused; and a short deadline's hold lease rounded to 0."""
+    server = _Recorder()
+    try:
+        adapter = _adapter(server.url, timeout_s=0.1)
+        adapter.hold_requests()
+        adapter.mark_version(3)
+        adapter.release_requests("sync s1 failed: the base digest could not be read")
+    finally:
+        server.close()
+    paths = [path for path, _ in server.seen]
+    assert paths[0] == "/refit/hold?lease_s=0.300"
+    assert paths[-1].startswith("/refit/release?refusing=sync%20s1%20failed")
+
+
+def test_the_key_goes_to_the_server_alone_never_through_a_proxy_or_a_redirect(monkeypatch):
+    """Found by review: urllib sent every request, key included, through the environment's HTTP proxy (loopback too),
+    and re-sent it wherever a redirect pointed."""
+    proxy, elsewhere = _Recorder(), _Recorder()
+    server = _Recorder(lambda path: (302, {"Location": elsewhere.url + path}, b"") if path == "/moved" else (200, {}, b"{}"))
+    monkeypatch.setenv("http_proxy", proxy.url)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    try:
+        adapter = _adapter(server.url)
+        adapter.reset_prefix_cache()
+        with pytest.raises(ServerError, match=r"answered GET /moved with a redirect \(HTTP 302 to .*refit follows none"):
+            adapter._request("GET", "/moved")
+    finally:
+        for recorder in (proxy, elsewhere, server):
+            recorder.close()
+    assert server.seen == [("/reset_prefix_cache", "Bearer a key"), ("/moved", "Bearer a key")]
+    assert proxy.seen == [] and elsewhere.seen == []
+
+
 # -- the gate, as vLLM's app sees it (an ASGI middleware), in this process ----------------------------------------
 
 class _App:
