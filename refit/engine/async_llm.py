@@ -31,6 +31,7 @@ version served when it was admitted.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,7 @@ from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
 from refit.engine.worker_rpc import TYPED_CALL, refuse_engine_without_refit, results_of
-from refit.errors import ReplicaRefusingError, SyncTimeoutError
+from refit.errors import EngineHungError, ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -57,6 +58,9 @@ from refit.transport.kinds import TransportKind
 from refit.verification.probe import ProbeRequest
 
 __all__ = ["AsyncLLMAdapter", "AsyncReplica", "AsyncReplicaMethods", "Completion", "async_llm_replica", "start_async_llm"]
+
+_RUN_MARGIN_S = 5.0
+"""How much longer than the sync's deadline the update's thread waits for a call on the engine's loop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +200,22 @@ class AsyncLLMAdapter:
         self._admitting = 0  # requests past the gate whose add has not yet reached the engine core
         self._in_flight = 0  # requests past the gate that have not finished
         self._admitted = asyncio.Condition()
+        self.timeout_s: float | None = None  # the sync's deadline, from `check`; None before the first update
 
     def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        """`coroutine` on the replica's loop, waited for from the update's thread within the sync's deadline.
+
+        Why a deadline here too: the update's thread holds the core's lock while it waits, and the lease watchdog
+        needs that lock to close an update whose driver is gone; an engine core that never answers would keep the
+        gate shut, and every request held, for good.
+        """
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:  # a margin over the deadline, so that a step's own deadline (the drain's) is the one that fires
+            return future.result(timeout=None if self.timeout_s is None else self.timeout_s + _RUN_MARGIN_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise EngineHungError(f"the AsyncLLM's engine did not answer within {self.timeout_s:.0f} s "
+                                  "(SyncConfig.timeout_s); it is hung or overloaded") from None
 
     # -- requests (on the loop) ---------------------------------------------------------
     async def serve(self, prompt: Sequence[int], max_tokens: int, core: ReplicaCore, *,
@@ -266,7 +283,9 @@ class AsyncLLMAdapter:
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
-        pass  # its transport is all it can refuse (`transport_refusal`), and the core asks that
+        # Its transport is all it can refuse (`transport_refusal`), and the core asks that; the sync's deadline bounds
+        # every later wait on the engine (`_run`).
+        self.timeout_s = config.timeout_s
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process:

@@ -1,4 +1,5 @@
-"""The worker extension's end of an update session (pure logic; the real workers: tests/engine, tests/sync)."""
+"""The engine end of an update session: the worker extension's flag, an AsyncLLM engine's deadline (pure logic; the real
+workers and engines: tests/engine, tests/sync)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,32 @@ def test_a_failed_abandon_still_ends_the_workers_update_session():
     with pytest.raises(RuntimeError, match="processing a layer failed"):
         worker.refit_abandon_update()
     assert worker._weight_update_active is False
+
+
+def test_an_asyncllm_engine_that_never_answers_is_named_hung_within_the_syncs_deadline(monkeypatch):
+    """Found by review: the update's thread waited on the engine's loop without a deadline while holding the core's
+    lock, which the lease watchdog needs to close the update, so the gate stayed shut and every request held."""
+    import asyncio
+    import threading
+
+    import refit.engine.async_llm as async_llm
+    from refit.errors import EngineHungError
+
+    class SilentEngine:
+        async def collective_rpc(self, *args, **kwargs):
+            await asyncio.Event().wait()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    monkeypatch.setattr(async_llm, "_RUN_MARGIN_S", 0.1)
+    adapter = object.__new__(async_llm.AsyncLLMAdapter)  # its engine checks need a real vLLM config: not what is tested
+    adapter.llm, adapter.loop, adapter.timeout_s = SilentEngine(), loop, 1.0
+    try:
+        with pytest.raises(EngineHungError, match=r"the AsyncLLM's engine did not answer within 1 s"):
+            adapter.call_workers("refit_streamed")
+    finally:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(10)  # the cancelled call ends first
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
