@@ -148,6 +148,7 @@ class ReplicaBase:
         self._entries: dict[tuple[str, int], Row] = {}
         self._digest: str | None = None  # None: no whole, served version is held
         self._changed = False  # by the open update
+        self._rebuilt: set[tuple[str, int]] = set()  # the entries the open update sent
 
     def digest(self) -> str | None:
         """The digest of the version this base holds, or None if it holds none (new, or after a failed update)."""
@@ -158,6 +159,7 @@ class ReplicaBase:
 
     def begin(self) -> None:
         self._changed = False
+        self._rebuilt = set()
 
     def rebuild(self, rows: Sequence[Row], *, key: bytes | None) -> list[Row]:
         """Every row whole: a delta applied to the base and checked against its tag under `key` (the sync's), a whole
@@ -190,11 +192,20 @@ class ReplicaBase:
                     )
             whole = dataclasses.replace(entry, changed=None, encoding=None, nbytes=stored.numel())
             self._entries[slot] = (whole, stored)
+            self._rebuilt.add(slot)
             out.append((whole, stored.view(element_view(entry.dtype)).view(entry.shape)))
         return out
 
     def finish(self) -> str | None:
-        """The update is served: the base now holds its version."""
+        """The update is served: the base now holds its version.
+
+        Every update sends every entry (a delta, or whole), so entries it did not send are another plan's (the
+        trainer's rows split anew, a tensor another trainer sent): kept, they would stay in the digest, which then
+        never equals the sender's again, and every later sync would be a full one.
+        """
+        if self._rebuilt:
+            for slot in [slot for slot in self._entries if slot not in self._rebuilt]:
+                del self._entries[slot]
         self._digest = version_digest(_describe(entry) for entry, _ in self._entries.values())
         return self._digest
 

@@ -181,6 +181,20 @@ def test_row_slices_of_a_sharded_sender_are_their_own_entries_and_the_digest_ign
     assert version_digest(entries) != version_digest(first.entries())
 
 
+def test_a_full_sync_of_another_split_leaves_no_entry_of_the_old_one_in_the_replicas_base():
+    """Found by review: entries a full sync no longer sent (a trainer resharded: its rows split anew) stayed in the
+    replica's base and digest, which then never equalled the sender's again: every later sync was a full one."""
+    state = tensors()
+    replica = ReplicaBase()
+    two_ranks = [bucket(*state, rows=0), bucket(*state, index=1, rows=70)]  # "emb" as two ranks' row slices
+    sync(SenderBase(), replica, two_ranks, DeltaMode.FULL)
+    sender = SenderBase()  # one rank now: "emb" whole, from row 0
+    sync(sender, replica, [bucket(*state)], DeltaMode.FULL)
+    assert replica.digest() == version_digest(sender.entries())
+    sync(sender, replica, [bucket(*changed(state, 0.01))], DeltaMode.DELTA)  # a delta syncs on that base
+    assert replica.digest() == version_digest(sender.entries())
+
+
 def test_off_keeps_no_base_and_leaves_another_syncers_base_alone():
     """A Syncer with `delta="off"` streams whole buckets and makes no base; streaming between two syncs of a Syncer
     that sends deltas, it leaves that Syncer's base as it was, so the next delta still rebuilds the sender's bytes."""
