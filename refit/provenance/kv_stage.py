@@ -19,6 +19,7 @@ refused with the names of the layers, so it never reaches a kernel.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
@@ -67,7 +68,9 @@ def apply_kv_scale_policy(
     modules = dict(model.named_modules())
     written: list[str] = []
     for module, scale in tracker.attention_scales():
-        if policy is KvScalePolicy.RECOMPUTE and measured_amax and (module, scale) in measured_amax:
+        # An amax of 0 (K or V all zero on the calibration prompts) measured nothing: a scale made of it would be
+        # subnormal, and the first nonzero value served would saturate the FP8 cache.
+        if policy is KvScalePolicy.RECOMPUTE and measured_amax and measured_amax.get((module, scale), 0.0) > 0:
             value = max(measured_amax[(module, scale)], torch.finfo(torch.float32).tiny) / FP8_E4M3_MAX
             source = ScaleSource.CALIBRATED
         elif policy is not KvScalePolicy.KEEP and tracker.source(module, scale) in UNINFORMED:
@@ -140,8 +143,17 @@ class AttentionAmaxRecorder:
         return dict(self._amax)
 
     def _hook_for(self, name: str) -> Callable:
+        # By the forward's parameter names where it has them: a call may pass some of q, k, v by position and the
+        # rest by keyword. A forward of `*args` (a wrapper's) is read by position.
+        signature = inspect.signature(self._layers[name].forward)
+        named = {"query", "key", "value"} <= signature.parameters.keys()
+
         def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            q, k, v = (args + tuple(kwargs.get(n) for n in ("query", "key", "value")))[:3]
+            if named:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                q, k, v = (bound.get(n) for n in ("query", "key", "value"))
+            else:
+                q, k, v = (args + tuple(kwargs.get(n) for n in ("query", "key", "value")))[:3]
             for scale, tensor in (("q_scale", q), ("k_scale", k), ("v_scale", v)):
                 if tensor is not None and tensor.numel():
                     seen = float(tensor.detach().abs().amax())

@@ -1,0 +1,53 @@
+"""The post-refit stage's recompute on attention layers as vLLM's look to it (pure logic on a plain module with the
+scale attributes vLLM's `Attention` has; the engine itself: tests/provenance/test_kv_scales_e2e.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from refit.provenance import KvScalePolicy, ScaleSource
+from refit.provenance.kv_stage import AttentionAmaxRecorder, apply_kv_scale_policy
+from refit.provenance.tracker import ScaleProvenanceTracker
+from refit.quantizer.fp8_block import FP8_E4M3_MAX
+
+
+class Attention(torch.nn.Module):
+    """The parts of vLLM's `Attention` the stage reads and writes: live scales, their host copies, the cache dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache_dtype = "fp8_e4m3"
+        for scale in ("q_scale", "k_scale", "v_scale"):
+            self.register_buffer(f"_{scale}", torch.tensor(-0.000942))  # a dummy load's value
+            setattr(self, f"_{scale}_float", -0.000942)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output_shape=None) -> torch.Tensor:
+        return query
+
+
+def model() -> torch.nn.Module:
+    root = torch.nn.Module()
+    root.attn = Attention()
+    return root
+
+
+def test_q_k_and_v_are_measured_however_the_call_passes_them():
+    """Found by review: a call passing `value` by keyword (q and k by position) left v unmeasured, silently."""
+    net = model()
+    recorder = AttentionAmaxRecorder(net)
+    recorder.start()
+    net.attn(torch.full((2, 4), 1.0), torch.full((2, 4), -2.0), value=torch.full((2, 4), 3.0))
+    net.attn(query=torch.full((2, 4), 0.5), key=torch.full((2, 4), 4.0), value=torch.full((2, 4), 0.25))
+    assert recorder.stop() == {("attn", "q_scale"): 1.0, ("attn", "k_scale"): 4.0, ("attn", "v_scale"): 3.0}
+
+
+def test_an_amax_of_zero_writes_no_scale_made_of_it():
+    """Found by review: K or V all zero on the calibration prompts gave a subnormal scale, recorded as calibrated;
+    the first nonzero value served would then saturate the FP8 cache. It measured nothing: placeholders become 1.0."""
+    net = model()
+    tracker = ScaleProvenanceTracker(net)
+    tracker.record_initial_load("dummy", frozenset(), {})
+    measured = {("attn", "q_scale"): 0.0, ("attn", "k_scale"): 2.0, ("attn", "v_scale"): 0.0}
+    apply_kv_scale_policy(net, tracker, KvScalePolicy.RECOMPUTE, version=1, measured_amax=measured)
+    assert net.attn._k_scale_float == 2.0 / FP8_E4M3_MAX and tracker.source("attn", "k_scale") is ScaleSource.CALIBRATED
+    assert net.attn._v_scale_float == 1.0 and tracker.source("attn", "v_scale") is ScaleSource.DEFAULT
