@@ -315,6 +315,9 @@ class AsyncLLMAdapter:
     def spec_decode_counts(self) -> tuple[int, int] | None:
         return spec_decode_counts(self.facts)
 
+    def gone(self) -> str | None:
+        return None  # its engine lives and dies with this process
+
     def mark_version(self, version: int) -> None:
         pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted
 

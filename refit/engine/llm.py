@@ -128,6 +128,9 @@ class LLMAdapter:
     def spec_decode_counts(self) -> tuple[int, int] | None:
         return spec_decode_counts(self.facts)
 
+    def gone(self) -> str | None:
+        return None  # its engine lives and dies with this process
+
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
         temperature: float = 0.0, n: int = 1, seed: int | None = None, serving: Serving | None = None,

@@ -126,6 +126,10 @@ class EngineAdapter(Protocol):
         """(draft tokens proposed, draft tokens accepted) since the engine started, or None where it has no draft
         model or does not count them."""
 
+    def gone(self) -> str | None:
+        """Why the engine no longer serves what this replica recorded (a server that restarted), or None. Asked by
+        `status` between updates, so it answers within a few seconds; an engine in this process is never gone."""
+
     lora_rank: int | None
     """The engine's `max_lora_rank`; None: it serves no LoRA adapters (`stage_adapter` refuses)."""
 
@@ -171,7 +175,11 @@ class ReplicaCore:
         return self.facts.model_info
 
     def status(self) -> ReplicaStatus:
-        return replace(self.lifecycle.status(), adapter=self.adapters.serving)
+        status = replace(self.lifecycle.status(), adapter=self.adapters.serving)
+        if status.phase is Phase.SERVING and (gone := self.engine.gone()) is not None:
+            # Between syncs nothing else would tell: a restarted server serves what it started with, not this version.
+            return replace(status, phase=Phase.REFUSING, reason=gone)
+        return status
 
     def transport_ranks(self) -> int:
         """How many ranks this replica takes in a collective group: one per vLLM worker."""

@@ -111,6 +111,9 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 # even for loopback), never re-sent to wherever a redirect points.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
 
+GONE_CHECK_TIMEOUT_S = 5.0
+"""How long `status` waits for a server to say whether it restarted."""
+
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
 _KEY_HINT = (f"pass the server's key as api_key= (actors.ServerRollout.remote(url, api_key=KEY), "
              f"refit.server_replica(url, api_key=KEY)) or set {KEY_ENV} in the replica's environment; it is the key "
@@ -341,6 +344,17 @@ class ServerAdapter:
 
     def spec_decode_counts(self) -> tuple[int, int] | None:
         return None  # a server's counters are in its Prometheus /metrics, which refit does not read yet (docs/draft.md)
+
+    def gone(self) -> str | None:
+        """Whether the server restarted since this replica connected (its workers' boot ids), or cannot be reached."""
+        try:
+            now = self._call_workers_once("refit_boot_id", timeout_s=min(self.timeout_s, GONE_CHECK_TIMEOUT_S))
+        except (ServerError, EngineHungError) as error:
+            return f"its server cannot be asked whether it still serves this replica's version: {error}"
+        if now != self.boot_ids:
+            return (f"the server at {self.url} restarted since this replica connected to it: it serves the weights it "
+                    f"started with, not the last sync's; create a new actors.ServerRollout.remote({self.url!r})")
+        return None
 
     def mark_version(self, version: int) -> None:
         """The server's weight version (its `/weight_info`, its outputs' spans) becomes the sync's `version`."""

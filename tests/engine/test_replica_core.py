@@ -70,6 +70,9 @@ class RecordingEngine:
     def release_requests(self, refusal: str | None = None) -> None:
         self.calls.append("release_requests")
 
+    def gone(self) -> str | None:
+        return None
+
 
 def _setup(engine: RecordingEngine, **config):
     model = tiny_decoder()
@@ -198,3 +201,14 @@ def test_a_failed_calibration_pass_takes_its_measuring_hooks_out_and_fails_the_u
     stage = engine.calls[engine.calls.index("refit_start_amax"):]
     assert stage[:3] == ["refit_start_amax", "generate", "refit_stop_amax"]
     assert core.status().phase is Phase.REFUSING
+
+
+def test_a_replica_whose_engine_is_gone_between_syncs_is_shown_refusing_with_why():
+    engine = RecordingEngine()
+    core, plan, config, buckets = _setup(engine)
+    version, _ = _sync(core, plan, config, buckets)
+    assert core.status().phase is Phase.SERVING
+    engine.gone = lambda: "the server at http://127.0.0.1:1 restarted since this replica connected to it"
+    status = core.status()
+    assert status.phase is Phase.REFUSING and status.served_version == version and "restarted" in status.reason
+    core.close()

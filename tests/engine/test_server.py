@@ -325,7 +325,7 @@ def test_an_impostor_answering_pickles_runs_nothing_in_the_replica_and_is_named_
 
 
 class _Recorder:
-    """A local HTTP server that records each request's path and Authorization header and answers `answer(path)`:
+    """A local HTTP server that records each request's path and Authorization header and answers `answer(path, body)`:
     (status, headers, body); by default 200 with an empty JSON object."""
 
     def __init__(self, answer=None) -> None:
@@ -338,7 +338,8 @@ class _Recorder:
         class Handler(http.server.BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 recorder.seen.append((self.path, self.headers.get("Authorization")))
-                status, headers, body = (answer or (lambda path: (200, {}, b"{}")))(self.path)
+                sent = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, headers, body = (answer or (lambda path, sent: (200, {}, b"{}")))(self.path, sent)
                 self.send_response(status)
                 for name, value in {"Content-Length": str(len(body)), **headers}.items():
                     self.send_header(name, value)
@@ -388,7 +389,7 @@ def test_the_key_goes_to_the_server_alone_never_through_a_proxy_or_a_redirect(mo
     """Found by review: urllib sent every request, key included, through the environment's HTTP proxy (loopback too),
     and re-sent it wherever a redirect pointed."""
     proxy, elsewhere = _Recorder(), _Recorder()
-    server = _Recorder(lambda path: (302, {"Location": elsewhere.url + path}, b"") if path == "/moved" else (200, {}, b"{}"))
+    server = _Recorder(lambda path, _: (302, {"Location": elsewhere.url + path}, b"") if path == "/moved" else (200, {}, b"{}"))
     monkeypatch.setenv("http_proxy", proxy.url)
     monkeypatch.setenv("HTTP_PROXY", proxy.url)
     monkeypatch.delenv("no_proxy", raising=False)
@@ -403,6 +404,33 @@ def test_the_key_goes_to_the_server_alone_never_through_a_proxy_or_a_redirect(mo
             recorder.close()
     assert server.seen == [("/reset_prefix_cache", "Bearer a key"), ("/moved", "Bearer a key")]
     assert proxy.seen == [] and elsewhere.seen == []
+
+
+def test_a_server_that_restarted_since_the_last_sync_is_shown_refusing_not_serving_that_version():
+    """Found by review: only the next sync's begin compared the workers' boot ids, so between syncs a restarted
+    server (serving the weights it started with) was reported as serving the last sync's version."""
+    boot = {"id": "host:1:100.0"}
+
+    class Worker(RefitWorkerExtension):
+        def refit_boot_id(self) -> str:
+            return boot["id"]
+
+    def answer(path: str, sent: bytes):
+        if path == "/collective_rpc":
+            return 200, {}, json.dumps({"results": [Worker().refit_call(json.loads(sent)["args"][0])]}).encode()
+        return 200, {}, b"{}"
+
+    server = _Recorder(answer)
+    try:
+        adapter = _adapter(server.url)
+        adapter.boot_ids = ["host:1:100.0"]
+        assert adapter.gone() is None
+        boot["id"] = "host:2:200.0"  # the same URL, another process
+        assert f"the server at {server.url} restarted since this replica connected to it" in adapter.gone()
+    finally:
+        server.close()
+    assert "did not answer" not in (adapter.gone() or "")  # gone now: said, not raised
+    assert "cannot be asked whether it still serves" in adapter.gone()
 
 
 # -- the gate, as vLLM's app sees it (an ASGI middleware), in this process ----------------------------------------
