@@ -239,6 +239,7 @@ class ServerAdapter:
                               f"{_KEY_HINT}")
         self._key = key
         self._marked = False  # whether the update the hold is for was verified (`mark_version`)
+        self._pass_token: str | None = None  # the current hold's, which refit's own requests pass it with
         # vLLM's routes name a LoRA adapter by a directory it loads (`/v1/load_lora_adapter`), and a request names
         # it by model name, which only vLLM's serving layer knows: one installed from memory is unreachable there.
         self.lora_rank: int | None = None
@@ -315,7 +316,7 @@ class ServerAdapter:
         """The gate holds users' requests to generation routes from now on, until `release_requests`."""
         self._marked = False
         # The hold lapses into a refusal if this replica stops calling, as the core's own update lease does.
-        self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.3f}")
+        self._pass_token = self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.3f}").get("pass_token")
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
         """Requests that passed the gate before the hold end (`wait`: finish; `abort`: aborted), then vLLM's
@@ -373,7 +374,7 @@ class ServerAdapter:
         else:
             query = "synced=0"
         self._request("POST", f"/refit/release?{query}")
-        self._marked = False
+        self._marked, self._pass_token = False, None
 
     # -- the server's own state ---------------------------------------------------------
     def weight_version(self) -> str | None:
@@ -422,8 +423,8 @@ class ServerAdapter:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._key}"}
-        if passes_hold:
-            headers[PASS_HOLD_HEADER] = "1"
+        if passes_hold and self._pass_token is not None:  # the hold's own token: users cannot pass it
+            headers[PASS_HOLD_HEADER] = self._pass_token
         request = urllib.request.Request(self.url + path, data=data, method=verb, headers=headers)
         try:
             with _OPENER.open(request, timeout=timeout_s) as response:

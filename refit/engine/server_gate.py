@@ -13,7 +13,9 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   requests to generation routes (every route but the control routes in
   `CONTROL_PATHS`) wait in the gate, and go on when refit releases them,
   after the sync's KV-scale stage and probe. Refit's own stage and probe
-  carry the `PASS_HOLD_HEADER` header, which passes the hold;
+  carry the `PASS_HOLD_HEADER` header with the hold's own token (a random
+  one `POST /refit/hold` answers with, void once released), which passes
+  the hold: users hold the key, not the token;
 - a server started with `--load-format dummy` (`DUMMY_ENV`) answers
   generation routes 503 until a sync has been released as verified: its
   placeholder KV scales would make vLLM's engine die on the first request.
@@ -97,6 +99,7 @@ class RefitGate:
         self.app = app
         self._key_digest = hashlib.sha256(key.encode()).digest()
         self._held = False
+        self._pass_token: str | None = None  # the hold's: refit's own requests pass it with this, users cannot
         self._hold_lease_s = 0.0
         self._hold_deadline = 0.0  # monotonic; renewed by every control request while held
         self._awaiting_first_sync = os.environ.get(DUMMY_ENV) == "1"
@@ -117,7 +120,7 @@ class RefitGate:
         if path.startswith(GATE_PREFIX):
             await _answer(scope, send, *await self._own_route(scope, path))
             return
-        if _is_control(path) or _header(scope, PASS_HOLD_HEADER) is not None:
+        if _is_control(path) or self._passes_hold(scope):
             if path.rstrip("/") in DRIVING_PATHS or not _is_control(path):
                 self._renew_hold()
             await self.app(scope, receive, send)
@@ -169,8 +172,10 @@ class RefitGate:
             if lease_s is None or lease_s <= 0:
                 return 400, {"error": "lease_s must be a positive, finite number of seconds"}
             self._held, self._hold_lease_s, self._hold_deadline = True, lease_s, time.monotonic() + lease_s
+            self._pass_token = secrets.token_hex(16)
+            return 200, {**self._state(), "pass_token": self._pass_token}
         elif path == "/refit/release" and verb == "POST":
-            self._held = False
+            self._held, self._pass_token = False, None
             if query.get("synced") == "1":
                 self._awaiting_first_sync, self._refusing = False, None
             elif "refusing" in query:
@@ -193,6 +198,11 @@ class RefitGate:
         return {"refit_gate": True, "held": self._held, "in_flight": self._in_flight, "waiting": self._waiting,
                 "awaiting_first_sync": self._awaiting_first_sync, "refusing": self._refusing}
 
+    def _passes_hold(self, scope: Scope) -> bool:
+        """Whether a request carries the current hold's token (refit's own stage and probe)."""
+        sent = _header(scope, PASS_HOLD_HEADER)
+        return self._pass_token is not None and sent is not None and secrets.compare_digest(sent, self._pass_token)
+
     def _renew_hold(self) -> None:
         if self._held:
             self._hold_deadline = time.monotonic() + self._hold_lease_s
@@ -202,7 +212,7 @@ class RefitGate:
         while self._held:
             left = self._hold_deadline - time.monotonic()
             if left <= 0:
-                self._held = False
+                self._held, self._pass_token = False, None
                 self._refusing = (f"refit's replica stopped driving the update it began (no call for "
                                   f"{self._hold_lease_s:.0f} s): its driver or its actor is gone, and the update may be "
                                   "half-loaded")

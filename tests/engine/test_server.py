@@ -365,7 +365,7 @@ def _adapter(url: str, timeout_s: float = 10.0):
     from refit.engine.server import ServerAdapter
 
     adapter = object.__new__(ServerAdapter)
-    adapter.url, adapter._key, adapter.timeout_s, adapter._marked = url, "a key", timeout_s, False
+    adapter.url, adapter._key, adapter.timeout_s, adapter._marked, adapter._pass_token = url, "a key", timeout_s, False, None
     return adapter
 
 
@@ -511,7 +511,8 @@ def test_the_gate_holds_generation_not_control_routes_drains_what_passed_and_rel
         app.finish = asyncio.Event()
         running = asyncio.create_task(_ask(refit_gate, "/v1/completions"))  # passed before the hold
         await asyncio.sleep(0.05)
-        assert (await _ask(refit_gate, "/refit/hold"))[1]["in_flight"] == 1
+        hold = (await _ask(refit_gate, "/refit/hold"))[1]
+        assert hold["in_flight"] == 1 and "pass_token" not in (await _ask(refit_gate, "/refit/state", verb="GET"))[1]
         held = asyncio.create_task(_ask(refit_gate, "/v1/chat/completions"))
         await asyncio.sleep(0.05)
         assert (await _ask(refit_gate, "/refit/drain?timeout_s=0.1"))[1]["in_flight"] == 1  # not yet ended
@@ -521,10 +522,20 @@ def test_the_gate_holds_generation_not_control_routes_drains_what_passed_and_rel
         assert state["in_flight"] == 0 and state["waiting"] == 1 and "/v1/chat/completions" not in app.reached
         for control in ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/v1/models"):
             assert (await _ask(refit_gate, control))[0] == 200
-        assert (await _ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), b"1")]))[0] == 200
-        assert not held.done()
+        token = hold["pass_token"].encode()
+        assert (await _ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), token)]))[0] == 200
+        # Found by review: any key holder passed the hold with the header; only the hold's own token passes it.
+        guessed = asyncio.create_task(_ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), b"1")]))
+        await asyncio.sleep(0.05)
+        assert not held.done() and not guessed.done()
         assert (await _ask(refit_gate, "/refit/release?synced=1"))[1]["held"] is False
-        assert (await held)[0] == 200 and app.reached[-1] == "/v1/chat/completions"
+        assert (await held)[0] == 200 and (await guessed)[0] == 200
+        await _ask(refit_gate, "/refit/hold")  # the next hold: the last one's token passes it no more
+        stale = asyncio.create_task(_ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), token)]))
+        await asyncio.sleep(0.05)
+        assert not stale.done()
+        await _ask(refit_gate, "/refit/release")
+        assert (await stale)[0] == 200
 
     asyncio.run(scenario())
 
