@@ -331,13 +331,17 @@ class ReplicaCore:
                 stage = "setting the engine's weight version"
                 self.engine.mark_version(version)
                 digest = self._finish_base(config)
+                # Part of the update: a server whose gate never heard the release keeps its users held until the
+                # hold lapses into a refusal, so a replica that said it serves would be wrong. (Requests through
+                # the core itself wait for the lifecycle's word, which comes next.)
+                stage = "releasing the requests held for the update"
+                self.engine.release_requests()
             except BaseException as error:
                 # After the reload is finalized the model has changed, whatever the bucket count says.
                 self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)
                 raise
             self._open = None
             self.lifecycle.finished(sync_id, version)
-            self.engine.release_requests()
             seconds = time.perf_counter() - start
             self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome,
                          digest=digest, draft_acceptance=acceptance)

@@ -212,3 +212,16 @@ def test_a_replica_whose_engine_is_gone_between_syncs_is_shown_refusing_with_why
     status = core.status()
     assert status.phase is Phase.REFUSING and status.served_version == version and "restarted" in status.reason
     core.close()
+
+
+def test_an_update_whose_release_fails_is_not_reported_served():
+    """Found by review: the release came after the lifecycle said serving, so a server gate that never heard it kept
+    its users held (then refused) while the replica reported the new version served."""
+    engine = UnreleasingEngine(failures=1)
+    core, plan, config, buckets = _setup(engine)
+    with pytest.raises(ConnectionError, match="the gate did not answer"):
+        _sync(core, plan, config, buckets)
+    status = core.status()
+    assert status.phase is Phase.REFUSING and "releasing the requests held for the update failed" in status.reason
+    assert engine.calls.count("release_requests") == 2 and engine.calls[-1] == "release_requests"  # now as refusing
+    core.close()
