@@ -128,7 +128,8 @@ class EngineAdapter(Protocol):
 
     def gone(self) -> str | None:
         """Why the engine no longer serves what this replica recorded (a server that restarted), or None. Asked by
-        `status` between updates, so it answers within a few seconds; an engine in this process is never gone."""
+        `status`, so it never waits (a server's adapter answers what its last look found); an engine in this process
+        is never gone."""
 
     lora_rank: int | None
     """The engine's `max_lora_rank`; None: it serves no LoRA adapters (`stage_adapter` refuses)."""

@@ -76,10 +76,12 @@ import http.client
 import json
 import os
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,7 +114,28 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
 
 GONE_CHECK_TIMEOUT_S = 5.0
-"""How long `status` waits for a server to say whether it restarted."""
+"""How long a look at the server waits for its workers to say who they are."""
+
+GONE_POLL_S = 10.0
+"""How often a replica looks whether its server restarted, between updates (`ServerAdapter.gone`)."""
+
+
+def _keep_looking(adapter: weakref.ref) -> None:
+    """Look at the adapter's server every `GONE_POLL_S` while no hold is open, on a daemon thread that ends with
+    the adapter. Why a thread: `status` must never wait (it shares the replica's one observation thread with the
+    driver's questions), yet between syncs only asking the server tells a restart."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(GONE_POLL_S)
+            server = adapter()
+            if server is None:
+                return
+            if server._pass_token is None:  # an update's own calls say more, and its workers may be busy
+                server._gone = server._look()
+            del server
+
+    threading.Thread(target=watch, name="refit-server-watch", daemon=True).start()
 
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
 _KEY_HINT = (f"pass the server's key as api_key= (actors.ServerRollout.remote(url, api_key=KEY), "
@@ -254,6 +277,8 @@ class ServerAdapter:
         except (KeyError, IndexError, TypeError):
             raise self._not_refit("GET /v1/models", "its answer is not vLLM's model list") from None
         self.boot_ids = self._boot_ids()
+        self._gone: str | None = None
+        _keep_looking(weakref.ref(self))
         try:
             self.facts: EngineFacts = EngineFacts.from_plain(self._call_workers_once("refit_engine_facts")[0])
         except EngineError as error:
@@ -282,6 +307,7 @@ class ServerAdapter:
                 "refit's record of it (version, scale provenance, collective group) is stale; create a new "
                 f"actors.ServerRollout.remote({self.url!r}) for it and sync that"
             )
+        self._gone = None  # asked just now: the same server
 
     def call_workers(self, method: str, *args: Any) -> list:
         # A join blocks until every member joined, within the group's own deadline: the HTTP call waits a margin more.
@@ -316,7 +342,12 @@ class ServerAdapter:
         """The gate holds users' requests to generation routes from now on, until `release_requests`."""
         self._marked = False
         # The hold lapses into a refusal if this replica stops calling, as the core's own update lease does.
-        self._pass_token = self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.3f}").get("pass_token")
+        answer = self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.3f}")
+        self._pass_token = answer.get("pass_token") if isinstance(answer, dict) else None
+        if self._pass_token is None:  # its own stage and probe would wait behind the hold it made
+            self._request("POST", "/refit/release")
+            raise ServerError(f"the server at {self.url} runs another version of refit's gate (its hold gave no token "
+                              f"for refit's own requests); restart it with this refit: {_START_HINT}")
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
         """Requests that passed the gate before the hold end (`wait`: finish; `abort`: aborted), then vLLM's
@@ -347,10 +378,14 @@ class ServerAdapter:
         return None  # a server's counters are in its Prometheus /metrics, which refit does not read yet (docs/draft.md)
 
     def gone(self) -> str | None:
-        """Whether the server restarted since this replica connected (its workers' boot ids), or cannot be reached."""
+        """What the last look at the server found (`_look`): never waits, so `status` never does."""
+        return self._gone
+
+    def _look(self) -> str | None:
+        """Whether the server restarted since this replica connected (its workers' boot ids), or cannot be asked."""
         try:
             now = self._call_workers_once("refit_boot_id", timeout_s=min(self.timeout_s, GONE_CHECK_TIMEOUT_S))
-        except (ServerError, EngineHungError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever it is, the server cannot say it still serves the version
             return f"its server cannot be asked whether it still serves this replica's version: {error}"
         if now != self.boot_ids:
             return (f"the server at {self.url} restarted since this replica connected to it: it serves the weights it "

@@ -120,7 +120,12 @@ class RefitGate:
         if path.startswith(GATE_PREFIX):
             await _answer(scope, send, *await self._own_route(scope, path))
             return
-        if _is_control(path) or self._passes_hold(scope):
+        sent = _header(scope, PASS_HOLD_HEADER)
+        if sent is not None and not self._passes_hold(sent):
+            await _answer(scope, send, 409, {"error": f"the {PASS_HOLD_HEADER} header does not carry the current hold's "
+                                                      "token: only refit's own requests pass a hold"})
+            return
+        if _is_control(path) or sent is not None:
             if path.rstrip("/") in DRIVING_PATHS or not _is_control(path):
                 self._renew_hold()
             await self.app(scope, receive, send)
@@ -198,10 +203,9 @@ class RefitGate:
         return {"refit_gate": True, "held": self._held, "in_flight": self._in_flight, "waiting": self._waiting,
                 "awaiting_first_sync": self._awaiting_first_sync, "refusing": self._refusing}
 
-    def _passes_hold(self, scope: Scope) -> bool:
-        """Whether a request carries the current hold's token (refit's own stage and probe)."""
-        sent = _header(scope, PASS_HOLD_HEADER)
-        return self._pass_token is not None and sent is not None and secrets.compare_digest(sent, self._pass_token)
+    def _passes_hold(self, sent: str) -> bool:
+        """Whether a pass-hold header carries the current hold's token (refit's own stage and probe)."""
+        return self._pass_token is not None and secrets.compare_digest(sent.encode("latin-1"), self._pass_token.encode())
 
     def _renew_hold(self) -> None:
         if self._held:
