@@ -80,7 +80,9 @@ class MergedLora:
                               "merges LoRA on Linear and Embedding layers and modules_to_save; sync the adapter alone "
                               "(Syncer.sync_adapter) to rollouts that serve LoRA")
         self._embeddings = {name for name, module in self._layers.items() if isinstance(module, Embedding)}
-        self._saved = {name for name, module in base.named_modules() if isinstance(module, ModulesToSaveWrapper)}
+        # module -> whether the active adapter trains its own copy of it (else the frozen original is sent)
+        self._saved = {name: self._adapter in module.modules_to_save for name, module in base.named_modules()
+                       if isinstance(module, ModulesToSaveWrapper)}
         self._source: dict[str, str] = {}  # base checkpoint name -> the view's name
         self._metas: list[TensorMeta] = []
         for meta in self._view.metadata():
@@ -123,12 +125,12 @@ class MergedLora:
         own tensors, the frozen original of a module trained whole, another adapter's copy of it)."""
         if _is_adapter_tensor(name):
             return None
-        for module in self._saved:
+        for module, trained in self._saved.items():
             if not name.startswith(module + "."):
                 continue
             rest = name[len(module) + 1:]
-            if rest.startswith("original_module."):
-                return None
+            if rest.startswith("original_module."):  # sent only where the active adapter trains no copy of it
+                return None if trained else f"{module}.{rest.removeprefix('original_module.')}"
             adapter, _, tail = rest.removeprefix("modules_to_save.").partition(".")
             return f"{module}.{tail}" if rest.startswith("modules_to_save.") and adapter == self._adapter else None
         return name.replace(_BASE_LAYER, ".")

@@ -284,7 +284,7 @@ class AsyncLLMAdapter:
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
         # Its transport is all it can refuse (`transport_refusal`), and the core asks that; the sync's deadline bounds
-        # every later wait on the engine (`_run`).
+        # every wait on the engine until the update releases its requests (`_run`).
         self.timeout_s = config.timeout_s
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
@@ -326,6 +326,7 @@ class AsyncLLMAdapter:
 
     def release_requests(self, refusal: str | None = None) -> None:
         self._run(self._set_gate(True))
+        self.timeout_s = None  # the update's last call: the deadline was its own (adapter swaps pass none here)
 
     async def _set_gate(self, open_: bool) -> None:
         if open_:

@@ -264,9 +264,15 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             # Scales are 1/16384 of their weights: cheap to keep until finish. Copied before the rewrite check below,
             # so the check covers these copies too.
             sent_scales = {n: t.detach().clone() for n, t in tensors if n.endswith("weight_scale")} if update_info.verify else {}
-        finally:
-            if parts is not None:  # after a failed load too: the abandon that follows finalizes layers from what they hold
-                copy_out_held(spans)
+        except BaseException as error:
+            if parts is not None:  # the abandon that follows finalizes layers from what they hold: not the buffer
+                try:
+                    copy_out_held(spans)
+                except Exception as copying:  # noqa: BLE001 - the load's failure is the one to raise
+                    error.add_note(f"copying what the reload held out of the bucket's buffer failed too: {copying!r}")
+            raise
+        if parts is not None:
+            copy_out_held(spans)
         if parts is not None:
             self._kind.loaded(parts)  # bytes another writer changed while they loaded or were copied out (shm): refused
         self._verify = update_info.verify

@@ -149,8 +149,11 @@ class AttentionAmaxRecorder:
         named = {"query", "key", "value"} <= signature.parameters.keys()
 
         def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if named:
-                bound = signature.bind_partial(*args, **kwargs).arguments
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments if named else None
+            except TypeError:  # a call the signature does not describe (a keyword it lacks): read by position
+                bound = None
+            if bound is not None:
                 q, k, v = (bound.get(n) for n in ("query", "key", "value"))
             else:
                 q, k, v = (args + tuple(kwargs.get(n) for n in ("query", "key", "value")))[:3]

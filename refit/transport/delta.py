@@ -116,15 +116,21 @@ class SenderBase:
         if mode is DeltaMode.FULL:
             # Nothing is diffed against the old base: freed first, it is not held beside the new one's buckets.
             self._entries.clear()
+        streamed: set[tuple[str, int]] = set()
         for bucket in buckets:
             rows = [(entry, as_bytes(tensor)) for entry, tensor in bucket.unpack_rows()]
             delta = self._delta(bucket.index, rows) if mode in (DeltaMode.DELTA, DeltaMode.BOTH) else None
             for entry, raw in rows:
                 self._entries[(entry.name, entry.row_offset)] = (entry, raw)
+                streamed.add((entry.name, entry.row_offset))
             if mode is not DeltaMode.DELTA:
                 yield bucket
             if delta is not None:
                 yield delta
+        # A whole stream's entries are the new version: as the replica's base drops what an update did not send
+        # (`ReplicaBase.finish`), so does this one, or their digests would differ from then on.
+        for slot in [slot for slot in self._entries if slot not in streamed]:
+            del self._entries[slot]
 
     def _delta(self, index: int, rows: list[Row]) -> WireBucket:
         items: list[tuple[WireTensor, torch.Tensor]] = []

@@ -54,3 +54,17 @@ def test_every_tensor_is_what_merge_and_unload_holds_under_the_base_checkpoints_
 def test_what_merge_mode_cannot_merge_is_refused_naming_the_module():
     with pytest.raises(ConfigError, match=r"model\.embed_tokens \(TrainableTokensWrapper\).*sync_adapter"):
         MergedLora(peft_model(trainable_token_indices=[1, 2]))
+
+
+def test_a_module_another_adapter_trains_whole_is_sent_as_the_frozen_original_under_its_own_name():
+    """Found by review: a modules_to_save wrapper without a copy for the active adapter had its module left out."""
+    from peft import LoraConfig
+
+    model = peft_model()
+    model.add_adapter("other", LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    model.set_adapter("default")
+    merged = MergedLora(model)
+    expected = CheckpointView(copy.deepcopy(model).merge_and_unload())
+    assert "lm_head.weight" in [m.name for m in merged.metadata()]
+    assert [m.name for m in merged.metadata()] == [m.name for m in expected.metadata()]
+    assert all(torch.equal(merged.tensor(m.name), expected.tensor(m.name)) for m in expected.metadata())

@@ -195,6 +195,17 @@ def test_a_full_sync_of_another_split_leaves_no_entry_of_the_old_one_in_the_repl
     assert replica.digest() == version_digest(sender.entries())
 
 
+def test_a_delta_stream_of_another_split_leaves_both_bases_with_the_same_entries():
+    """The sender's side of the same: a delta stream whose rows split anew dropped the old split on the replica but
+    kept it on the sender, and the digests differed."""
+    state = tensors()
+    sender, replica = SenderBase(), ReplicaBase()
+    sync(sender, replica, [bucket(*state, rows=0), bucket(*state, index=1, rows=70)], DeltaMode.FULL)
+    sync(sender, replica, [bucket(*changed(state, 0.01))], DeltaMode.DELTA)  # "emb" whole from row 0: sent whole
+    assert replica.digest() == version_digest(sender.entries())
+    assert {(name, row) for name, row, *_ in sender.entries()} == {("w", 0), ("w_scale", 0), ("emb", 0)}
+
+
 def test_off_keeps_no_base_and_leaves_another_syncers_base_alone():
     """A Syncer with `delta="off"` streams whole buckets and makes no base; streaming between two syncs of a Syncer
     that sends deltas, it leaves that Syncer's base as it was, so the next delta still rebuilds the sender's bytes."""
