@@ -104,6 +104,7 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 GATE_MIDDLEWARE = "refit.engine.server_gate.RefitGate"
 """vLLM's `--middleware` for refit's gate: the key on every route, and the hold (refit/engine/server_gate.py)."""
 
+
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args: Any) -> None:
         return None  # the 30x is raised as an HTTPError: `_request` names it
@@ -136,6 +137,7 @@ def _keep_looking(adapter: weakref.ref) -> None:
             del server
 
     threading.Thread(target=watch, name="refit-server-watch", daemon=True).start()
+
 
 _START_HINT = "start it with `refit serve MODEL ...` (or the plain `vllm serve` line in the README)"
 _KEY_HINT = (f"pass the server's key as api_key= (actors.ServerRollout.remote(url, api_key=KEY), "

@@ -273,7 +273,6 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
             raise
         if parts is not None:
             copy_out_held(spans)
-        if parts is not None:
             self._kind.loaded(parts)  # bytes another writer changed while they loaded or were copied out (shm): refused
         self._verify = update_info.verify
         self._sent_scales |= sent_scales
