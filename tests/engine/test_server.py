@@ -287,41 +287,19 @@ def test_a_server_that_closes_the_connection_mid_answer_is_gone_not_an_unknown_e
 
 def test_an_impostor_answering_pickles_runs_nothing_in_the_replica_and_is_named_not_a_refit_server(tmp_path):
     """A server at the URL that answers every route 200 with a pickle whose unpickling would create a file."""
-    import http.server
-    import threading
-
     import refit
 
     marker = tmp_path / "ran"
     poison = pickle.dumps(_Marker(str(marker)))
-    asked = []
-
-    class Impostor(http.server.BaseHTTPRequestHandler):
-        def _answer(self) -> None:
-            asked.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(poison)))
-            self.end_headers()
-            self.wfile.write(poison)
-
-        do_GET = do_POST = _answer
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    server = _Recorder(lambda path, _: (200, {"Content-Type": "application/json"}, poison))
     try:
-        with pytest.raises(refit.ServerError, match=rf"the server at {url} is not a refit server \(started by `refit "
-                                                    r"serve`\): its answer is not JSON .*for GET /refit/state; nothing "
-                                                    r"of it was used"):
-            refit.server_replica(url, api_key="a key", connect_timeout_s=10)
+        with pytest.raises(refit.ServerError, match=rf"the server at {server.url} is not a refit server \(started by "
+                                                    r"`refit serve`\): its answer is not JSON .*for GET /refit/state; "
+                                                    r"nothing of it was used"):
+            refit.server_replica(server.url, api_key="a key", connect_timeout_s=10)
     finally:
-        server.shutdown()
-        server.server_close()
-    assert asked == ["/health", "/refit/state"] and not marker.exists()
+        server.close()
+    assert [path for path, _ in server.seen] == ["/health", "/refit/state"] and not marker.exists()
 
 
 class _Recorder:
