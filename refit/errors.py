@@ -13,6 +13,8 @@ This module imports nothing of refit, so any module may import it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = [
     "ActorDiedError",
     "BaseMismatchError",
@@ -32,7 +34,11 @@ __all__ = [
     "TransportError",
     "UnsupportedSchemeError",
     "VerificationError",
+    "settlement",
+    "with_settlement",
 ]
+
+_SETTLEMENT = "_refit_settlement"
 
 
 class RefitError(Exception):
@@ -123,3 +129,15 @@ class GroupBroken(Exception):
     def __init__(self, lost: list[tuple[str, str, BaseException]]) -> None:
         super().__init__(", ".join(f"{who} {how}" for who, how, _ in lost))
         self.lost = lost
+
+
+def with_settlement(error: BaseException, settle: Callable[[], None]) -> BaseException:
+    """`error`, carrying what its stream still owes the processes it streams with once the error is reported (a
+    sharded rank's gathers that its peers wait in: `refit.sharding.RankSource.stream`)."""
+    setattr(error, _SETTLEMENT, settle)
+    return error
+
+
+def settlement(error: BaseException) -> Callable[[], None] | None:
+    """What `with_settlement` gave `error`, or None."""
+    return getattr(error, _SETTLEMENT, None)

@@ -14,14 +14,16 @@ fourth (docs/sharded.md).
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
 
 from refit.adapters.weights import AdapterMeta, AdapterWeights
-from refit.errors import ConfigError
+from refit.errors import ConfigError, settlement
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
@@ -67,7 +69,20 @@ class TrainerWeights:
                               f"({kind_of_handle(transport).name}): no delta base can be kept; stream with delta='off'")
         buckets = self.sender.encode(self._produce(plan), delta)
         written = _timed(buckets, self._add_stream_seconds, allocate)
-        yield from self.sender.send(written, transport)
+        try:
+            yield from self.sender.send(written, transport)
+        except Exception as error:
+            settle = settlement(error)
+            if settle is None:
+                raise
+            # Reported before it is settled: the settling may wait for peers that the consumer frees only once it
+            # learns of the error. An error yielded in a Ray task reaches every reader of it as if raised here.
+            reported = _in_a_ray_task()
+            if reported:
+                yield _as_task_error(error)
+            settle()
+            if not reported:
+                raise
 
     def base_entries(self) -> list[tuple]:
         return self.sender.base_entries()
@@ -141,3 +156,15 @@ def _timed(items: Iterator[_T], add_seconds: Callable[[float], None],
             return
         yield item
         del item  # not held while the next item is made (a bucket buffer each)
+
+
+def _in_a_ray_task() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_task_id() is not None
+
+
+def _as_task_error(error: Exception) -> Any:
+    """`error` as Ray stores a task's exception: an object whose every `ray.get` raises it."""
+    import ray
+
+    return ray.exceptions.RayTaskError("stream_buckets", "".join(traceback.format_exception(error)), error)

@@ -223,8 +223,10 @@ class BucketStream:
             self._gen = iter(trainer.stream_buckets(*args))
         self._done = False
 
-    def next(self, timeout_s: float, *, fetch: bool = False) -> Any | None:
-        """The next bucket, or None at the end of the stream.
+    def next(self, timeout_s: float, *, fetch: bool = False, watched: Sequence[Any] = (),
+             on_finished: Callable[[list[Any]], None] | None = None) -> Any | None:
+        """The next bucket, or None at the end of the stream; `on_finished` gets each ref of `watched` that finishes
+        first (and may raise).
 
         From an actor the bucket is a one-element list holding its object ref:
         a nested ref is not fetched by the driver (which would pull every
@@ -239,8 +241,15 @@ class BucketStream:
             return bucket
         import ray
 
-        ready, _ = ray.wait([self._gen], timeout=timeout_s)
-        if not ready:
+        deadline = time.monotonic() + timeout_s
+        watched = list(watched) if on_finished is not None else []
+        while True:
+            ready, _ = ray.wait([self._gen, *watched], num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready or any(item is self._gen for item in ready):
+                break
+            watched = [ref for ref in watched if ref not in ready]
+            on_finished(ready)
+        if not any(item is self._gen for item in ready):
             raise SyncTimeoutError(
                 f"{self._who} produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); it is hung, "
                 "overloaded or its preflight is slower than the deadline"

@@ -20,7 +20,7 @@ import collections
 from typing import Any
 
 from refit.errors import PlanMismatchError
-from refit.orchestration.calls import BucketStream, submit_all, submitting_together, wait_all
+from refit.orchestration.calls import BucketStream, Outcome, submit_all, submitting_together, wait_all
 from refit.orchestration.fleet import Roll, broken_group, losses
 from refit.orchestration.progress import progress_bar
 from refit.plan.config import SyncConfig
@@ -80,18 +80,18 @@ class BucketRelay:
         by_mode = {mode: [(who, r) for who, r in self.roll.members if modes.get(who, "full") == mode] for mode in ("full", "delta")}
         self.progress = progress_bar(self.config.progress, buckets, f"refit sync v{version}", unit="bucket")
         try:
-            upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if ahead else []
+            upcoming = [self._next(stream, fetch=True) for stream in streams] if ahead else []
             for index in range(buckets):
                 if ahead:  # each rank's contents of this bucket, and of the one after
                     parts = upcoming
-                    upcoming = [stream.next(self.timeout, fetch=True) for stream in streams] if index + 1 < buckets else []
+                    upcoming = [self._next(stream, fetch=True) for stream in streams] if index + 1 < buckets else []
                     delta_parts = parts
                 elif by_contents:
-                    parts = delta_parts = [stream.next(self.timeout, fetch=True) for stream in streams]
+                    parts = delta_parts = [self._next(stream, fetch=True) for stream in streams]
                 else:
-                    parts = [stream.next(self.timeout) for stream in streams]  # one part per rank (one rank: the bucket)
+                    parts = [self._next(stream) for stream in streams]  # one part per rank (one rank: the bucket)
                     # In "both" mode each rank yields the whole part, then its delta.
-                    delta_parts = [stream.next(self.timeout) for stream in streams] if delta is DeltaMode.BOTH else parts
+                    delta_parts = [self._next(stream) for stream in streams] if delta is DeltaMode.BOTH else parts
                 if any(part is None for part in parts + delta_parts):
                     raise self._ended_early(parts + delta_parts)
                 self.in_flight.append(self._hand_on(by_mode, parts, delta_parts, upcoming, by_contents))
@@ -105,6 +105,29 @@ class BucketRelay:
         finally:
             self.progress.close()
         return self.seconds
+
+    def _next(self, stream: BucketStream, *, fetch: bool = False) -> Any:
+        """`stream`'s next part; a load that fails meanwhile is raised (or its member dropped) at once.
+
+        Why watch the loads: a trainer rank that fails hands its error on
+        as a part, then still joins the gathers its peers wait in
+        (`refit.sharding.RankSource.stream`); the peers make their parts
+        only as fast as this relay takes them. Waiting for the failed
+        rank's next part alone would hold every rank until the deadline;
+        the members' loads of the error part fail at once.
+        """
+        watched = [ref for group in self.in_flight for who, ref in group if self.roll.has(who) and not isinstance(ref, Outcome)]
+        return stream.next(self.timeout, fetch=fetch, watched=watched, on_finished=self._on_loads_finished)
+
+    def _on_loads_finished(self, refs: list[Any]) -> None:
+        """If any of these loads failed, settle every load in flight now: its error is raised, or its member dropped."""
+        import ray
+
+        try:
+            ray.get(refs, timeout=self.timeout)
+        except Exception:  # settled below, where each outcome is told apart
+            while self.in_flight:
+                self._wait_oldest()
 
     def _hand_on(self, by_mode: dict[str, list[tuple[str, Any]]], parts: list[Any], delta_parts: list[Any],
                  upcoming: list[Any], by_contents: bool) -> list[tuple[str, Any]]:

@@ -15,22 +15,26 @@ megatron-core's parallel layers (`refit.sharding.megatron.MegatronLayout`).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+import functools
+import logging
+from collections.abc import Callable, Iterator
 
 import torch
 
 from refit import errors
-from refit.errors import PlanMismatchError, RefitError
+from refit.errors import PlanMismatchError, RefitError, with_settlement
 from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import loadable_form
 from refit.sharding.dtensor_layout import DTensorLayout
 from refit.sharding.layout import ABSENT, RankLayout
 from refit.sharding.routes import Route, TensorRoute, route_tensors
-from refit.sharding.stream_turns import take_turn
+from refit.sharding.stream_turns import StreamTurn, take_turn
 from refit.transport.buckets import WireBucket, pack_bucket
 
 __all__ = ["RankSource"]
+
+log = logging.getLogger(__name__)
 
 
 class RankSource:
@@ -51,6 +55,7 @@ class RankSource:
         self.sent: dict[str, int] = {}  # in the last stream: tensors sent per route, "quantized_rows", "bytes"
         self._routes: tuple[tuple, dict[str, TensorRoute]] | None = None
         self._ended_syncs: collections.deque[str] = collections.deque(maxlen=16)  # the latest syncs streamed here
+        self._unsettled: Callable[[], None] | None = None  # what a failed stream still owes its peers (`stream`)
 
     def metadata(self):
         return self.layout.metadata()
@@ -69,20 +74,65 @@ class RankSource:
         """This rank's part of every bucket, in plan order; every tensor it will send is checked first.
 
         Refused on every rank, before any collective, while another caller's sync streams from the group
-        (`refit.sharding.stream_turns`)."""
-        turn = None
+        (`refit.sharding.stream_turns`). Once the ranks agreed to send, a stream that ends early still joins every
+        gather left to it: closed (the consumer is gone), at once; failed, once its error is reported (the error
+        carries that as its settlement, `refit.errors.settlement`, which `TrainerWeights.stream_buckets` runs).
+
+        Why: the other ranks wait in those gathers, or will, since only the
+        consumer's closing stops them; left there, they wait until the
+        group's timeout, which breaks the process group for good (training's
+        collectives run on it too). Why not join them before reporting a
+        failure: a consumer that waits for this rank's next part takes no
+        more of the others' parts, so their streams stop at their next
+        yield, short of the gathers this rank would wait in.
+        """
+        self._settle_unsettled()
+        turn, gathers = None, None
+        deferred = False  # whether this stream's end is left to its error's settlement
         try:
             turn = take_turn(self.group, plan, self.rank, self._ended_syncs)
-            yield from self._parts(plan)
+            routes = self.routes(plan)
+            self._preflight_on_every_rank(plan)
+            gathers = _Gathers(self.layout, [
+                planned.source for bucket in plan.buckets for planned in bucket
+                if routes[planned.target].route is Route.GATHER and self.layout.joins_gather(planned.source)
+            ])
+            yield from self._parts(plan, routes, gathers)
+        except GeneratorExit:
+            if gathers is not None:
+                gathers.join_the_rest(plan.sync_id)
+            raise
+        except Exception as error:
+            if gathers is not None and gathers.left():
+                deferred = True
+                self._unsettled = functools.partial(self._end_failed_stream, plan, turn, gathers)
+                with_settlement(error, self._settle_unsettled)
+            raise
         finally:
-            if turn is not None:
-                turn.end()
-            if plan.sync_id is not None:
-                self._ended_syncs.append(plan.sync_id)
+            if not deferred:
+                self._end(plan, turn)
 
-    def _parts(self, plan: TransferPlan) -> Iterator[WireBucket]:
-        routes = self.routes(plan)
-        self._preflight_on_every_rank(plan)
+    def _settle_unsettled(self) -> None:
+        """Join the gathers a failed stream left (its peers wait in them) and end its turn; nothing if none is left.
+
+        The stream's consumer runs it once the error is reported; a new stream runs it first if none did."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is not None:
+            unsettled()
+
+    def _end_failed_stream(self, plan: TransferPlan, turn: StreamTurn | None, gathers: _Gathers) -> None:
+        try:
+            gathers.join_the_rest(plan.sync_id)
+        finally:
+            self._end(plan, turn)
+
+    def _end(self, plan: TransferPlan, turn: StreamTurn | None) -> None:
+        if turn is not None:
+            turn.end()
+        if plan.sync_id is not None:
+            self._ended_syncs.append(plan.sync_id)
+
+    def _parts(self, plan: TransferPlan, routes: dict[str, TensorRoute], gathers: _Gathers) -> Iterator[WireBucket]:
         self.gathered_bytes = 0
         self.sent = {route.value: 0 for route in Route} | {"quantized_rows": 0, "bytes": 0}
         for index, bucket in enumerate(plan.buckets):
@@ -90,14 +140,18 @@ class RankSource:
             row_offsets: dict[str, int] = {}
             for planned in bucket:
                 route = routes[planned.target]
+                value = None
                 if route.route is Route.GATHER and self.layout.joins_gather(planned.source):
-                    value = self.layout.gathered(planned.source)  # every rank that joins, in plan order
+                    value = gathers.join_next(planned.source)  # every rank that joins, in plan order
                     self.gathered_bytes += value.numel() * value.element_size()
                 if self.rank not in route.senders:
                     continue
                 start, stop = route.rows[self.rank]
                 if route.route is not Route.GATHER:
                     value = self.layout.rows(planned.source, start, stop)
+                elif value is None:
+                    raise PlanMismatchError(f"{planned.target}: this rank (rank {self.rank}) is to send it whole from a "
+                                            "gather, but its layout says it joins no gather of it")
                 block = planned.block if plan.quantize_on is QuantizeOn.TRAINER else None
                 self.sent[route.route.value] += 1
                 self.sent["quantized_rows"] += route.route is Route.ROWS and block is not None
@@ -147,3 +201,33 @@ class RankSource:
         if problems:
             raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(problems))
         self.layout.check_finite(plan, self.rank)
+
+
+class _Gathers:
+    """The gathers one rank joins in one stream, in plan order, and how many it has joined."""
+
+    def __init__(self, layout: RankLayout, sources: list[str]) -> None:
+        self._layout, self._sources, self._joined = layout, sources, 0
+
+    def left(self) -> bool:
+        return self._joined < len(self._sources)
+
+    def join_next(self, source: str) -> torch.Tensor:
+        """`source` whole, the next gather in plan order; counted once it returns (one that raised is joined again)."""
+        if not self.left() or self._sources[self._joined] != source:
+            raise PlanMismatchError(f"{source}: gathered out of plan order (internal error)")
+        value = self._layout.gathered(source)
+        self._joined += 1
+        return value
+
+    def join_the_rest(self, sync_id: str | None) -> None:
+        """Join every gather left, dropping what each brings: the peers' streams wait in them.
+
+        Never raises: it runs as a stream ends, after the error that ended it. A gather that fails here leaves a
+        group that gathers no more (a peer is gone, say); the log says so."""
+        try:
+            while self.left():
+                self.join_next(self._sources[self._joined])
+        except Exception as error:
+            log.warning("sync %s: this rank could not join the %d gather(s) its stream left; its peers wait in them "
+                        "until the group's timeout: %s", sync_id, len(self._sources) - self._joined, error)

@@ -11,7 +11,10 @@ import torch
 
 import refit
 
-__all__ = ["HandWrittenSource", "die_at", "die_when_joining", "kill_during_syncs", "kill_mid_stream", "tamper_next_stream"]
+__all__ = [
+    "HandWrittenSource", "die_at", "die_when_joining", "fail_loading_from", "kill_during_syncs", "kill_mid_stream", "quantizing_fault",
+    "tamper_next_stream",
+]
 
 
 def kill_during_syncs(syncer: refit.Syncer, victim, *, after_s: float, error: type[BaseException], match: str,
@@ -159,3 +162,41 @@ class DroppingTrainer(HandWrittenSource):
         for bucket in self.buckets(plan):
             kept = [(name, tensor) for name, tensor in bucket.unpack() if not name.startswith(self.drop)]
             yield pack_bucket(bucket.index, kept, key=plan.integrity_key)
+
+
+def quantizing_fault(rank, fail_from: int | None = None, delay_s: float = 0.0) -> None:
+    """Run in a sharded trainer rank (`run_in`): from its `fail_from`-th tensor on, its quantizing raises MemoryError,
+    `delay_s` into the call (time for its peers to reach their next gather); with no `fail_from`, each tensor takes
+    `delay_s` longer; with neither, quantizing is as before."""
+    from refit.quantizer import fp8_block
+    from refit.sharding import rank_source
+
+    if fail_from is None and not delay_s:
+        rank_source.loadable_form = fp8_block.loadable_form
+        return
+    seen = []
+
+    def faulty(*args, **kwargs):
+        seen.append(None)
+        time.sleep(delay_s)
+        if fail_from is not None and len(seen) >= fail_from:
+            raise MemoryError("out of memory quantizing (injected)")
+        return fp8_block.loadable_form(*args, **kwargs)
+
+    rank_source.loadable_form = faulty
+
+
+def fail_loading_from(rollout, bucket: int | None) -> None:
+    """Run in a rollout actor (`run_in`): from its `bucket`-th bucket on, loading raises (None: loading is as before)."""
+    if bucket is None:
+        rollout.replica.__dict__.pop("load_bucket", None)
+        return
+    original, seen = rollout.replica.load_bucket, []
+
+    def failing(*args, **kwargs):
+        seen.append(None)
+        if len(seen) >= bucket:
+            raise RuntimeError("this replica failed to load a bucket (injected)")
+        return original(*args, **kwargs)
+
+    rollout.replica.load_bucket = failing

@@ -20,7 +20,7 @@ from actors import TrainerGroup, TrainerRank
 from fixtures import NEW_TOKENS, PROMPT_LEN, accuracy, make_prompts, make_sequences, model_dir
 from refit.engine import Phase
 from tests.support.actors import engine_state, rank_stream, run_in, streamed_together
-from tests.support.faults import die_at
+from tests.support.faults import die_at, fail_loading_from, quantizing_fault
 
 PROMPTS = make_prompts(24, PROMPT_LEN, seed=41)
 FP8_DUMMY = {"load_format": "dummy", "kv_cache_dtype": "fp8_e4m3"}
@@ -250,6 +250,49 @@ def test_a_nan_in_one_ranks_shard_is_refused_on_every_rank_and_the_group_syncs_o
     run_in(group.ranks[1], poison, old)
     report = refit.sync(group, replicas, config)
     assert [r.served_version for r in report.replicas] == [report.version] * 2
+
+
+@pytest.mark.parametrize("transport", ["ray", "shm"])
+def test_a_rank_failing_mid_stream_fails_the_sync_with_its_error_and_the_group_syncs_on(replicas, actors_factory,
+                                                                                          transport):
+    """Regression: a rank that raised after the preflight (out of memory while quantizing, say) left the other rank
+    in a gather of k and v it never entered, until the group's timeout broke the process group for good. Now it
+    reports its error first, then joins the gathers its peer waits in; the sync fails with that error, not a
+    timeout, nothing served changes, and the next sync runs on the same group."""
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=60)
+    config = refit.SyncConfig(bucket_bytes=64 << 10, timeout_s=60, transport=transport)  # every bucket gathers k, v
+    served = [ray.get(replica.status.remote(), timeout=60).served_version for replica in replicas]
+    run_in(group.ranks[1], quantizing_fault, 2, 1.0)  # after 1 s in layer 0's q_proj: rank 0 waits to gather its k
+    try:
+        with pytest.raises(Exception, match="out of memory quantizing") as raised:  # over ray: from a replica's fetch
+            refit.sync(group, replicas, config)
+        assert not isinstance(raised.value, refit.SyncTimeoutError)
+    finally:
+        run_in(group.ranks[1], quantizing_fault)
+    assert [ray.get(replica.status.remote(), timeout=60).served_version for replica in replicas] == served
+    report = refit.sync(group, replicas, config)
+    assert [r.served_version for r in report.replicas] == [report.version] * 2
+
+
+def test_a_sync_failed_by_a_replica_while_a_rank_waits_in_a_gather_leaves_the_group_whole(replicas, actors_factory):
+    """Regression: a failed sync cancels the ranks' streams, and each stopped at its next yield. Rank 0, slower here,
+    stopped short of the gather of k or v that rank 1 already waited in, which then waited until the group's timeout
+    broke the process group for good. Now a stopped stream joins the gathers left to it, and the group syncs on."""
+    group = actors_factory.trainer_group(model_dir(True, "bf16"), timeout_s=60)
+    config = refit.SyncConfig(bucket_bytes=192 << 10, timeout_s=60, transport="ray")  # k and v gathered in most buckets
+    refit.sync(group, replicas, config)
+    expected = serve(replicas[1])
+    run_in(group.ranks[0], quantizing_fault, None, 0.2)  # rank 1 waits for rank 0 in each gather
+    run_in(replicas[0], fail_loading_from, 4)
+    try:
+        with pytest.raises(Exception, match="this replica failed to load a bucket"):
+            refit.sync(group, replicas, config)
+    finally:
+        run_in(group.ranks[0], quantizing_fault)
+        run_in(replicas[0], fail_loading_from, None)
+    report = refit.sync(group, replicas, config)
+    assert [r.served_version for r in report.replicas] == [report.version] * 2
+    assert [serve(replica).token_ids for replica in replicas] == [expected.token_ids] * 2  # the same weights
 
 
 def test_per_rank_memory_during_a_sync_stays_within_the_stated_bound(ray_cluster, tmp_path):
