@@ -74,6 +74,7 @@ class MegatronRank(RankProcess):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
             expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+            distributed_timeout_minutes=math.ceil(timeout_s / 60),  # its groups' gathers, like the group's, time out
         )
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.model = _gpt_model(hf_config, checkpoint_tensor_names(model_dir), layout)

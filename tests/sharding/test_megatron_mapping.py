@@ -103,6 +103,17 @@ def test_dense_layers_tile_every_checkpoint_tensor_at_every_tp(tp):
     assert checkpoint["model.embed_tokens.weight"].shape == (61, 32)  # the padding rows are Megatron's alone
 
 
+@pytest.mark.parametrize("name, target", [
+    ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "model.layers.3.input_layernorm.weight"),
+    ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "model.layers.3.post_attention_layernorm.weight"),
+])
+def test_transformer_engines_fused_norms_are_the_checkpoints_norms(name, target):
+    """Found by review: the fused norm inside `linear_qkv` was checked against linear_qkv's weight shape and refused,
+    so every model built with Transformer Engine's layer spec was refused."""
+    (slot,) = slots_of(name, (DENSE.hidden,), DENSE, RankPlace(tp_rank=1, tp_size=2), lambda i: i + 3)
+    assert (slot.target, slot.shape) == (target, (DENSE.hidden,))
+
+
 def test_qkv_rows_interleave_per_query_group_as_megatron_lays_them_out():
     place = RankPlace(tp_rank=1, tp_size=2)
     name = "decoder.layers.0.self_attention.linear_qkv.weight"

@@ -20,7 +20,7 @@ from refit.sharding.megatron import CheckpointNames, load_hf_checkpoint, megatro
 @ray.remote
 @refit.delegate_to_weights  # weight_metadata, stream_buckets, ... as calls on self.weights
 class OwnMegatronRank:
-    def __init__(self, rank: int, world_size: int, address: str, port: int, model_dir: str, tp: int) -> None:
+    def __init__(self, rank: int, world_size: int, address: str, port: int, model_dir: str, tp: int, cp: int = 1) -> None:
         from megatron.core import parallel_state
 
         from actors.megatron_group import MegatronParallel, _gpt_model
@@ -28,7 +28,7 @@ class OwnMegatronRank:
 
         torch.distributed.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
                                              world_size=world_size)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.model = _gpt_model(config, checkpoint_tensor_names(model_dir), MegatronParallel(tp=tp))  # built its own way
         self.source = megatron_source(self.model, vocab_size=config["vocab_size"],

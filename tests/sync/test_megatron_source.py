@@ -12,6 +12,7 @@ function of the weights rather than an optimizer step.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -66,6 +67,15 @@ def test_dense_qwen3_at_tp2(actors_factory):
         ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
          "model.norm.weight"])
     stats = group.stream_stats()
+    # Megatron's own groups (where k, v, o and down are gathered) time out as the trainer's group does, in its minutes.
+    def tp_group_timeout_s(rank) -> float:
+        from megatron.core import parallel_state
+
+        backend = parallel_state.get_tensor_model_parallel_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+
+    timeouts = [run_in(rank, tp_group_timeout_s) for rank in group.ranks]
+    assert timeouts == [60 * math.ceil(group.timeout_s / 60)] * 2
     # q, gate, up (128-row blocks per rank) quantized where they lie; k and v (64 rows per rank) and the row-parallel
     # o and down (column shards) gathered over the tensor-parallel group.
     assert [s["quantized_rows"] for s in stats] == [6, 6]
@@ -88,6 +98,26 @@ def test_llama_with_tied_embeddings_at_tp2_from_a_jobs_own_rank_actors(actors_fa
     assert_megatron_syncs_like_a_trainer(
         actors_factory, bf16, model_dir(True, "fp8_block", arch="llama"), None, (0, 1),
         ["model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight"], group=job)
+
+
+def test_context_parallel_copies_of_the_weights_are_sent_once_as_without_them(actors_factory):
+    """Found by review: both context-parallel copies of a tensor-parallel group (data-parallel rank 0 each, context
+    parallelism not counted) sent every tensor; their rows overlapped, so q, gate and up were all-gathered instead of
+    quantized where they lie."""
+    from refit.sharding.process_group import free_port
+    from tests.support.own_megatron import OwnMegatronRank
+
+    bf16 = model_dir(False, "bf16")
+    port = free_port()
+    ranks = [actors_factory.keep(OwnMegatronRank.options(num_cpus=0, resources={f"node{r % 2}": 0.01}).remote(
+        r, 4, "127.0.0.1", port, str(bf16), 2, 2)) for r in range(4)]
+    assert_megatron_syncs_like_a_trainer(
+        actors_factory, bf16, model_dir(False, "fp8_block"), None, (0, 1), ["model.layers.1.mlp.up_proj.weight"],
+        group=SimpleNamespace(ranks=ranks))
+    sent = [run_in(rank, lambda rank: rank.source.sent) for rank in ranks]
+    # As at TP=2 alone (test_dense_qwen3_at_tp2), from one context-parallel copy: the other sends nothing.
+    assert sorted(s["quantized_rows"] for s in sent) == [0, 0, 6, 6] and sum(s["gather"] for s in sent) == 8
+    assert sorted(s["bytes"] for s in sent)[:2] == [0, 0]
 
 
 def test_tp2_by_uneven_pp2_with_a_vocabulary_tp_does_not_divide(actors_factory, tmp_path):

@@ -50,7 +50,8 @@ class MegatronLayout:
         )
         self._groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
                         "etp": parallel_state.get_expert_tensor_parallel_group()}
-        first_replica = {False: parallel_state.get_data_parallel_rank() == 0,
+        # Context-parallel ranks hold the same weights too: counted in, or every copy would send them.
+        first_replica = {False: parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
                          True: parallel_state.get_expert_data_parallel_rank() == 0}
         self._sends: dict[str, tuple[torch.Tensor, Slot]] = {}
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):

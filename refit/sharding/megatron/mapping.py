@@ -308,7 +308,7 @@ def _grouped(prefix: str, rest: str, dims: MegatronDims, place: RankPlace, local
 
 def _local_shape(slot: Slot, dims: MegatronDims, place: RankPlace, name: str) -> tuple[int, ...] | None:
     """The shape `name` must have on this rank, where one slot tells it (None: checked by its pieces alone)."""
-    if "linear_qkv" in name:
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):  # not Transformer Engine's `linear_qkv.layer_norm_weight`
         groups = dims.query_groups // place.tp_size
         rows = groups * (dims.heads // dims.query_groups + 2) * dims.head_dim
         return (rows, dims.hidden) if name.endswith("weight") else (rows,)
