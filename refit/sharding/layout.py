@@ -25,6 +25,9 @@ ABSENT = object()
 
 
 class RankLayout(Protocol):
+    # Optional: `finish_parameter_updates()`, called on every rank as its stream starts (a collective if it needs
+    # one), completes an update of the parameters still in flight (`MegatronLayout`'s overlapped all-gather).
+
     def metadata(self) -> list[TensorMeta]:
         """The checkpoint tensors this rank holds (part of), with global shapes and the wire dtype."""
         ...

@@ -91,6 +91,9 @@ class RankSource:
         deferred = False  # whether this stream's end is left to its error's settlement
         try:
             turn = take_turn(self.group, plan, self.rank, self._ended_syncs)
+            finish_updates = getattr(self.layout, "finish_parameter_updates", None)
+            if finish_updates is not None:
+                finish_updates()
             routes = self.routes(plan)
             self._preflight_on_every_rank(plan)
             gathers = _Gathers(self.layout, [

@@ -38,6 +38,7 @@ class MegatronLayout:
         from megatron.core import parallel_state
 
         self.model = unwrap(model)
+        self._pending_gathers = _overlapped_param_gathers(model)
         self.wire_dtype = wire_dtype
         self.dims = megatron_dims(self.model, vocab_size, names)
         self.place = RankPlace(
@@ -57,6 +58,14 @@ class MegatronLayout:
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
             if slot.sends and first_replica[".mlp.experts." in f".{name}"]:
                 self._sends[slot.target] = (param, slot)
+
+    def finish_parameter_updates(self) -> None:
+        """Finish the distributed optimizer's all-gather of the updated parameters, which `overlap_param_gather`
+        leaves to the next forward pass: until then each data-parallel rank's parameters are new only where its
+        optimizer shard lies, and the sync would send a mix of two steps. Megatron does the same before it
+        evaluates or saves (`disable_forward_pre_hook(param_sync=True)`); a collective over data-parallel ranks."""
+        for wrapper in self._pending_gathers:
+            wrapper.start_param_sync(force_sync=True)
 
     def metadata(self) -> list[TensorMeta]:
         return [TensorMeta(slot.target, slot.shape, self._dtype(param), _MODULE_CLASSES[slot.kind])
@@ -138,6 +147,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if not hasattr(model, "decoder") or not hasattr(model, "config"):
         raise ConfigError(f"{type(model).__name__} is not a megatron-core GPTModel (or a wrapper of one): it has no decoder")
     return model
+
+
+def _overlapped_param_gathers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The DistributedDataParallel wrappers around `model` whose distributed optimizer overlaps its parameter
+    all-gather with the next forward pass (`finish_parameter_updates`)."""
+    wrappers = []
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        config = getattr(model, "ddp_config", None)
+        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+            wrappers.append(model)
+        model = model.module
+    return wrappers
 
 
 def megatron_dims(model: torch.nn.Module, vocab_size: int, names: CheckpointNames | None = None) -> MegatronDims:
