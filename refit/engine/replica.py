@@ -342,6 +342,8 @@ class ReplicaCore:
                 self._close(sync_id, f"{stage} failed: {error}", model_changed=stage != "finishing the reload" or None)
                 raise
             self._open = None
+            if acceptance is not None:  # the next sync's baseline: what a served version measured, not a refused one
+                self._acceptance = acceptance
             self.lifecycle.finished(sync_id, version)
             seconds = time.perf_counter() - start
             self._record(sync_id, version, "served", finish_seconds=seconds, kv_scales_written=written, verification=outcome,
@@ -484,7 +486,7 @@ class ReplicaCore:
 
     def _draft_acceptance(self) -> tuple[float | None, str | None]:
         """The draft model's accepted share of its proposals on the probe prompts, and why it collapsed if it did
-        (below half of what the last sync measured: a draft left behind its target, or broken by the sync).
+        (below half of what the last served sync measured: a draft left behind its target, or broken by the sync).
 
         None where the engine does not count speculative tokens (`EngineAdapter.spec_decode_counts`).
         """
@@ -496,7 +498,6 @@ class ReplicaCore:
         if drafted <= 0:
             return None, None
         acceptance, previous = accepted / drafted, self._acceptance
-        self._acceptance = acceptance
         if previous is not None and acceptance < previous / 2:
             return acceptance, f"the draft model's acceptance fell to {acceptance:.0%} from {previous:.0%}"
         return acceptance, None

@@ -7,6 +7,7 @@ trainer holds the bf16 policy and, beside it, the same weights as its draft.
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 import refit
@@ -36,6 +37,10 @@ def test_target_and_draft_sync_in_one_version_a_draft_left_behind_is_flagged_and
     # sync flags it (on_probe_breach="flag"; "fail" would refuse the version).
     run_in(trainer, redraw, 7)
     before = run_in(replica, draft_state)
+    # Refused under on_probe_breach="fail", twice: a refused sync's acceptance is no baseline for the next one.
+    for _ in range(2):
+        with pytest.raises(refit.VerificationError, match="draft model's acceptance fell"):
+            refit.Syncer(trainer, [replica], refit.SyncConfig(draft="frozen", on_probe_breach="fail")).sync()
     frozen = refit.Syncer(trainer, [replica], refit.SyncConfig(draft="frozen", on_probe_breach="flag")).sync()
     assert run_in(replica, draft_state) == before
     assert frozen.replicas[0].draft_acceptance < synced.draft_acceptance / 2
