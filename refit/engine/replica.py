@@ -470,6 +470,8 @@ class ReplicaCore:
             # The calibration pass itself runs through an FP8 KV cache, which
             # refuses dummy scales: make placeholders valid (1.0) first.
             self.workers.apply_kv_policy(KvScalePolicy.AUTO, version, None)
+            # The prefix cache holds K/V the old weights made: a cached prompt's blocks would be skipped, unmeasured.
+            self.engine.reset_prefix_cache()
             self.workers.start_amax()
             try:
                 self.engine.generate(calibration_prompts, 1)

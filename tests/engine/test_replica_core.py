@@ -100,13 +100,15 @@ def test_an_update_touches_its_engine_in_one_order_and_serves_its_version():
     assert core.last_update()["buckets"] == len(buckets) and core.last_update()["outcome"] == "served"
 
 
-def test_the_kv_recompute_sequence_makes_placeholders_valid_then_measures_then_writes():
+def test_the_kv_recompute_sequence_makes_placeholders_valid_empties_the_prefix_cache_then_measures_then_writes():
+    """Found by review: the calibration pass ran with the prefix cache of the old weights, so the blocks of a prompt
+    users had just served were skipped, unmeasured (an amax over the rest: a scale too small, saturating FP8)."""
     engine = RecordingEngine()
     core, plan, config, buckets = _setup(engine, kv_scales="recompute", calibration_prompts=[[1, 2, 3]])
     _sync(core, plan, config, buckets)
     stage = engine.calls[engine.calls.index("resume") + 1:]
-    assert stage == ["refit_apply_kv_policy", "refit_start_amax", "generate", "refit_stop_amax", "refit_apply_kv_policy",
-                     "reset_prefix_cache", "mark_version", "release_requests"]
+    assert stage == ["refit_apply_kv_policy", "reset_prefix_cache", "refit_start_amax", "generate", "refit_stop_amax",
+                     "refit_apply_kv_policy", "reset_prefix_cache", "mark_version", "release_requests"]
 
 
 def test_a_failed_completeness_check_closes_the_update_on_the_replica_itself():
