@@ -192,15 +192,16 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         With LoRA on, vLLM's LoRA layers leave the model's tree until the update is finished or abandoned
         (`unwrap_lora_layers` says why)."""
         self._rewrap_lora()
-        self._rewrap_lora = unwrap_lora_layers(self.model)
-        self._reload = LayerwiseReload(self.model, self.model_config)
-        self._reload.open()
+        # The last update's state goes first: an abandon after a failed open must not record that update again.
         self._plan = None
         self._update_version = None
         self._loaded = set()
         self._streamed = set()
         self._sent_scales: dict[str, torch.Tensor] = {}
         self._verify = False
+        self._rewrap_lora = unwrap_lora_layers(self.model)
+        self._reload = LayerwiseReload(self.model, self.model_config)
+        self._reload.open()
         self._expected = _expected_weights(self.model) - self._reload.kept_out
 
     # -- transports ---------------------------------------------------------------
@@ -329,6 +330,9 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         if self._keep_base:
             self.base.finish()
         self.provenance.record_streamed(self._loaded, self._streamed, self._update_version)
+        # Recorded: an abandon after this (a later step of the update failed) must not record it again, over what
+        # the post-refit stage recorded since.
+        self._update_version = None
         if self._verify and current_platform.is_cpu():  # elsewhere kernels may keep scales in a layout of their own
             wrong = scale_mismatches(self.model, self.provenance, self._sent_scales)
             if self.draft is not None:

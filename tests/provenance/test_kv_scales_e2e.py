@@ -209,6 +209,36 @@ def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
 
 
+def test_a_step_failing_after_a_recompute_leaves_the_scales_recorded_as_calibrated(seed_setup, actors_factory):
+    """Found by review: the reload's record of what the sync streamed (here k and v scales, from a calibrating
+    trainer) was written again when a later step of the update failed (setting the engine's version), over what the
+    recompute had recorded since, so the calibrated scales the engine held read as streamed, while it refused."""
+    _, rollout = seed_setup
+    streamed = {f"model.layers.{i}.self_attn.{s}": 0.0125 for i in range(2) for s in ("k_scale", "v_scale")}
+    trainer = actors_factory.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(model_dir(True, "bf16")), streamed))
+    config = refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE, calibration_prompts=tuple(map(tuple, CALIBRATION)))
+
+    def fail_once(rollout_actor) -> None:
+        engine = rollout_actor.replica.engine
+        original = engine.mark_version
+
+        def failing(version):
+            engine.mark_version = original
+            raise RuntimeError("setting the version failed (injected)")
+
+        engine.mark_version = failing
+
+    run_in(rollout, fail_once)
+    with pytest.raises(Exception, match="setting the version failed"):
+        refit.sync(trainer, rollout, config)
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for layer in range(2):
+        for scale in ("q_scale", "k_scale", "v_scale"):
+            assert records[(f"model.layers.{layer}.self_attn.attn", scale)].source is ScaleSource.CALIBRATED, (layer, scale)
+    refit.sync(trainer, rollout, config)  # serves again
+
+
 def without_kv_cache_scheme(tmp_path: Path) -> Path:
     """The calibrated checkpoint, its config stripped of `kv_cache_scheme` (the case verl's review asked about)."""
     copy = tmp_path / "fp8_block_kv-no-scheme"
