@@ -34,8 +34,6 @@ __all__ = [
     "TransportError",
     "UnsupportedSchemeError",
     "VerificationError",
-    "settlement",
-    "with_settlement",
 ]
 
 _SETTLEMENT = "_refit_settlement"
@@ -129,6 +127,9 @@ class GroupBroken(Exception):
     def __init__(self, lost: list[tuple[str, str, BaseException]]) -> None:
         super().__init__(", ".join(f"{who} {how}" for who, how, _ in lost))
         self.lost = lost
+
+
+# Beside the exceptions (and not exported): what an error still owes once it is reported.
 
 
 def with_settlement(error: BaseException, settle: Callable[[], None]) -> BaseException:
