@@ -32,7 +32,7 @@ def _metrics() -> dict[str, Any]:
             "refit_sync_seconds", "Seconds a sync spent, per stage", tag_keys=("syncer", "stage"),
             boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300],
         ),
-        "bytes": metrics.Counter("refit_sync_bytes", "Bytes each replica fetched", tag_keys=("syncer", "replica")),
+        "bytes": metrics.Counter("refit_sync_bytes", "Bytes each replica received", tag_keys=("syncer", "replica")),
         "version": metrics.Gauge("refit_served_version", "Weight version each replica serves", tag_keys=("syncer", "replica")),
         "verification": metrics.Counter("refit_verification", "Sync verification outcomes", tag_keys=("syncer", "outcome")),
         "scale_writes": metrics.Counter(
@@ -56,7 +56,7 @@ def record_sync(report: SyncReport, verified: bool, syncer: str) -> None:
         m["seconds"].observe(value, tags={"syncer": syncer, "stage": stage})
     for r in report.replicas:
         replica = {"syncer": syncer, "replica": str(r.replica)}
-        m["bytes"].inc(report.bytes_on_wire, tags=replica)
+        m["bytes"].inc(r.bytes_received, tags=replica)
         m["version"].set(r.served_version or 0, tags=replica)
         if r.kv_scales_written:
             m["scale_writes"].inc(len(r.kv_scales_written), tags=replica)

@@ -40,7 +40,7 @@ class SyncReport:
     version: int
     tensors: int  # planned tensors (a quantized weight counts once)
     buckets: int
-    bytes_on_wire: int  # what each replica fetched
+    bytes_on_wire: int  # a full sync's size; a replica synced by a delta received less (`ReplicaReport.bytes_received`)
     plan_seconds: float  # 0.0 when the plan was reused; never includes the wait for actors to start
     trainer_seconds: float | None  # preflight checks, quantization and packing (if the trainer reports it)
     total_seconds: float
@@ -63,7 +63,7 @@ class SyncReport:
     def summary(self) -> str:
         mib = self.bytes_on_wire / 2**20
         lines = [
-            f"sync v{self.version}: {self.tensors} tensors in {self.buckets} buckets, {mib:.1f} MiB on the wire, "
+            f"sync v{self.version}: {self.tensors} tensors in {self.buckets} buckets, {mib:.1f} MiB in a full sync, "
             f"{self.total_seconds:.3f} s total ("
             + (f"waited {self.startup_seconds:.3f} s for actors to start, " if self.startup_seconds else "")
             + f"plan {self.plan_seconds:.3f} s, begin {self.begin_seconds:.3f} s, "
