@@ -2,7 +2,7 @@
 
 Ray serves them with the rest of its metrics on each node's export port
 (`ray start --metrics-export-port`, or `ray.init(_metrics_export_port=...)`),
-prefixed `ray_`: `ray_refit_sync_seconds` (per stage), `ray_refit_sync_bytes`,
+prefixed `ray_`: `ray_refit_sync_seconds` (per stage; `plan` only when a plan was made), `ray_refit_sync_bytes`,
 `ray_refit_served_version`, `ray_refit_verification`,
 `ray_refit_post_refit_scale_writes` and `ray_refit_syncs` (by outcome).
 Each carries a `syncer` label, `SyncConfig.metrics_tag`. Every node serves
@@ -53,6 +53,8 @@ def record_sync(report: SyncReport, verified: bool, syncer: str) -> None:
     m = _metrics()
     seconds = (report.plan_seconds, report.begin_seconds, report.stream_seconds, report.finish_seconds, report.total_seconds)
     for stage, value in zip(_STAGES, seconds):
+        if stage == "plan" and not value:
+            continue  # the plan was reused: a 0.0 per sync would bury the plans actually made
         m["seconds"].observe(value, tags={"syncer": syncer, "stage": stage})
     for r in report.replicas:
         replica = {"syncer": syncer, "replica": str(r.replica)}

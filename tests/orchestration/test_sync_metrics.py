@@ -48,3 +48,10 @@ def test_bytes_count_what_each_replica_received_a_delta_at_its_size(recorded):
     """A replica synced by a delta was counted at the full sync's size."""
     metrics.record_sync(report(replica(0, "full", FULL), replica(1, "delta", 4096)), verified=True, syncer="s")
     assert recorded["bytes"].calls == [(FULL, {"syncer": "s", "replica": "0"}), (4096, {"syncer": "s", "replica": "1"})]
+
+
+def test_the_plan_stage_is_observed_only_when_a_plan_was_made(recorded):
+    """A reused plan's 0.0 was observed on every sync, pulling the plan histogram towards zero."""
+    metrics.record_sync(report(replica(0, "full", FULL)), verified=True, syncer="s")
+    metrics.record_sync(report(replica(0, "full", FULL), plan_seconds=0.25), verified=True, syncer="s")
+    assert [value for value, tags in recorded["seconds"].calls if tags["stage"] == "plan"] == [0.25]
