@@ -3,7 +3,7 @@
 Ray serves them with the rest of its metrics on each node's export port
 (`ray start --metrics-export-port`, or `ray.init(_metrics_export_port=...)`),
 prefixed `ray_`: `ray_refit_sync_seconds` (per stage; `plan` only when a plan was made), `ray_refit_sync_bytes`,
-`ray_refit_served_version`, `ray_refit_verification`,
+`ray_refit_served_version` (-1 for a replica a sync dropped), `ray_refit_verification`,
 `ray_refit_post_refit_scale_writes` and `ray_refit_syncs` (by outcome).
 Each carries a `syncer` label, `SyncConfig.metrics_tag`. Every node serves
 them; Ray picks a free export port unless given one, and lists it as
@@ -21,6 +21,7 @@ from refit.orchestration.report import SyncReport
 __all__ = ["record_failure", "record_sync"]
 
 _STAGES = ("plan", "begin", "stream", "finish", "total")
+_DROPPED = -1  # the served-version gauge of a replica a sync dropped
 
 
 @functools.cache
@@ -33,7 +34,8 @@ def _metrics() -> dict[str, Any]:
             boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300],
         ),
         "bytes": metrics.Counter("refit_sync_bytes", "Bytes each replica received", tag_keys=("syncer", "replica")),
-        "version": metrics.Gauge("refit_served_version", "Weight version each replica serves", tag_keys=("syncer", "replica")),
+        "version": metrics.Gauge(
+            "refit_served_version", "Weight version each replica serves; -1 once a sync dropped it", tag_keys=("syncer", "replica")),
         "verification": metrics.Counter("refit_verification", "Sync verification outcomes", tag_keys=("syncer", "outcome")),
         "scale_writes": metrics.Counter(
             "refit_post_refit_scale_writes", "KV-cache scales the post-refit stage wrote", tag_keys=("syncer", "replica")),
@@ -62,6 +64,8 @@ def record_sync(report: SyncReport, verified: bool, syncer: str) -> None:
         m["version"].set(r.served_version or 0, tags=replica)
         if r.kv_scales_written:
             m["scale_writes"].inc(len(r.kv_scales_written), tags=replica)
+    for d in report.dropped:  # no longer this Syncer's: its last version would otherwise show as served for ever
+        m["version"].set(_DROPPED, tags={"syncer": syncer, "replica": str(d.replica)})
     outcome = "off" if not verified else ("probe_breached" if report.probe_breached else "passed")
     m["verification"].inc(tags={"syncer": syncer, "outcome": outcome})
     m["syncs"].inc(tags={"syncer": syncer, "outcome": "served"})

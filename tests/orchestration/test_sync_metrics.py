@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from refit.orchestration import metrics
-from refit.orchestration.report import ReplicaReport, SyncReport
+from refit.orchestration.report import DroppedReplica, ReplicaReport, SyncReport
 
 FULL = 1 << 20
 
@@ -34,8 +34,8 @@ def recorded(monkeypatch) -> dict[str, Recorder]:
     return recorders
 
 
-def replica(rid: int, mode: str, bytes_received: int) -> ReplicaReport:
-    return ReplicaReport(replica=rid, node_id="n", served_version=2, load_seconds=0.1, finish_seconds=0.1,
+def replica(rid: int, mode: str, bytes_received: int, version: int = 2) -> ReplicaReport:
+    return ReplicaReport(replica=rid, node_id="n", served_version=version, load_seconds=0.1, finish_seconds=0.1,
                          kv_scales_written=(), mode=mode, bytes_received=bytes_received)
 
 
@@ -55,3 +55,12 @@ def test_the_plan_stage_is_observed_only_when_a_plan_was_made(recorded):
     metrics.record_sync(report(replica(0, "full", FULL)), verified=True, syncer="s")
     metrics.record_sync(report(replica(0, "full", FULL), plan_seconds=0.25), verified=True, syncer="s")
     assert [value for value, tags in recorded["seconds"].calls if tags["stage"] == "plan"] == [0.25]
+
+
+def test_a_dropped_replica_no_longer_shows_the_version_it_served(recorded):
+    """A replica dropped by a sync kept its last version in the gauge, as if it still served it."""
+    metrics.record_sync(report(replica(0, "full", FULL), replica(1, "full", FULL)), verified=True, syncer="s")
+    dropped = DroppedReplica(replica=1, stage="stream", cause="died", error="ActorDiedError: killed")
+    metrics.record_sync(report(replica(0, "delta", 4096, version=3), version=3, dropped=(dropped,)), verified=True, syncer="s")
+    last = {tags["replica"]: value for value, tags in recorded["version"].calls}
+    assert last == {"0": 3, "1": -1}  # -1: no version (the gauge's documented value)
