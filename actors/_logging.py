@@ -28,5 +28,5 @@ def show_refit_logs() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("REFIT_LOG_LEVEL", "INFO"))
+    logger.setLevel(os.environ.get("REFIT_LOG_LEVEL", "INFO").upper())
     logger.propagate = False
