@@ -77,9 +77,10 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
     history = []
     for index in range(rounds):
         report = syncer.sync_adapter()  # every rollout now serves the trainer's current adapter
-        served = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in rollouts], timeout=600)
+        serving = syncer.rollouts  # without any the sync dropped (dead or hung): `rollouts` may still name them
+        served = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in serving], timeout=600)
         trained = ray.get(trainer.generate.remote(dataset, NEW_TOKENS), timeout=600)
-        batch = sample_batch(rollouts, dataset, group, seed=index, score=reward)
+        batch = sample_batch(serving, dataset, group, seed=index, score=reward)
         train_on_batch(trainer, batch, steps_per_batch)
         rollout_accuracy = min(accuracy(dataset, g.token_ids) for g in served)
         history.append((batch.mean_reward, rollout_accuracy, accuracy(dataset, trained)))

@@ -55,8 +55,8 @@ def main() -> None:
     print(report.summary())
     prompts = [[100, 102, 104, 106, 108, 110, 112, 114]]
     print("trainer:", ray.get(trainer.generate.remote(prompts, 8), timeout=600)[0])
-    for replica, rollout in zip(report.replicas, rollouts):
-        served = ray.get(rollout.generate.remote(prompts, 8), timeout=600)
+    for replica in report.replicas:  # those that serve it: a replica the sync dropped is missing, so not zipped
+        served = ray.get(rollouts[replica.replica].generate.remote(prompts, 8), timeout=600)  # ids: the list's order
         print(f"rollout {replica.replica} on node {replica.node_id}:", served.token_ids[0])
 
 

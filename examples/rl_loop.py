@@ -68,7 +68,7 @@ class Round:
     round: int
     version: int
     mean_reward: float  # of the sampled groups
-    rollout_accuracy: float  # greedy, on held-out prompts, through the FP8 rollouts (the worst of them)
+    rollout_accuracy: float  # greedy, on the dataset RL trains on, through the FP8 rollouts (the worst of them)
     trainer_accuracy: float  # greedy, the same prompts, on the trainer's bf16 model
     sync: refit.SyncReport
     provenance: list[str]  # per rollout, where its scales came from, in one line
@@ -140,18 +140,19 @@ def run(trainer, rollouts, *, rounds: int, prompts: int, group: int, warmup_step
     history = []
     for index in range(rounds):
         report = syncer.sync()  # every rollout now serves the trainer's current policy
+        serving = syncer.rollouts  # without any the sync dropped (dead or hung): `rollouts` may still name them
         others = {name: (replica, s.sync()) for name, (replica, s) in watched.items()}
         # Greedy accuracy of the policy that samples this round's batch, before training on it.
-        greedy = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in rollouts], timeout=600)
+        greedy = ray.get([r.generate.remote(dataset, NEW_TOKENS) for r in serving], timeout=600)
         trained = ray.get(trainer.generate.remote(dataset, NEW_TOKENS), timeout=600)
         views = {
             name: Watched(accuracy(dataset, ray.get(replica.generate.remote(dataset, NEW_TOKENS), timeout=600).token_ids), r,
                           provenance_summary(ray.get(replica.scale_records.remote(), timeout=600)))
             for name, (replica, r) in others.items()
         }
-        provenance = [provenance_summary(ray.get(r.scale_records.remote(), timeout=600)) for r in rollouts]
+        provenance = [provenance_summary(ray.get(r.scale_records.remote(), timeout=600)) for r in serving]
 
-        batch = sample_batch(rollouts, dataset, group, seed=index)
+        batch = sample_batch(serving, dataset, group, seed=index)
         train_on_batch(trainer, batch, steps_per_batch)
 
         rollout_accuracy = min(accuracy(dataset, g.token_ids) for g in greedy)
