@@ -26,8 +26,10 @@ the same saturation, served. Its provenance still says
 `dummy`: nothing informed those values.
 
 Each round prints the version, the sync's milliseconds by stage, the bytes
-each replica received (a full sync first, then deltas: only what changed
-since the version it served), the logprob probe's outcome, the mean reward of the sampled
+each replica received (on one host `--transport auto` picks `shm`, which
+sends every sync whole; with `--transport ray` or `collective`, a full sync
+first, then deltas: only what changed since the version it served,
+docs/delta.md), the logprob probe's outcome, the mean reward of the sampled
 groups, the greedy accuracy of the trainer, the refit rollouts (the worse
 of the two) and the seed-bug replica, and one line per replica saying where
 its scales came from. The end prints one summary line and writes
@@ -157,7 +159,7 @@ def plot(history, path: str) -> str:
         ms.annotate(f"{bottom[0]:.0f} ms (plan + first forward)", (rounds[0], top), xytext=(4, -12),
                     textcoords="offset points", fontsize=8)
     ms.legend(fontsize=8, ncol=4, loc="upper right")
-    wire.bar(rounds, [received_mib(r.sync) for r in history], color="tab:gray", label="received (deltas after the first)")
+    wire.bar(rounds, [received_mib(r.sync) for r in history], color="tab:gray", label="received (below the line: a delta)")
     wire.axhline(history[0].sync.bytes_on_wire / 2**20, color="black", linestyle="--", linewidth=0.8, label="a full sync")
     wire.set_ylabel("received per\nreplica (MiB)")
     wire.legend(fontsize=8, loc="lower right")
