@@ -17,8 +17,10 @@ The whole flow (`Syncer.sync_adapter` runs it on the Syncer's fleet):
 
 A failure before step 4 (a replica refused the adapter, a digest differs,
 the driver was interrupted) unstages it everywhere: every replica keeps
-serving the adapter it served. A replica that dies or misses the deadline
-is dropped from the fleet, as in a weight sync. The base is never touched:
+serving the adapter it served. A failure during step 4 (a replica refused
+the swap) can leave a mix: each replica serves the new adapter on its own,
+and those that already do keep it. A replica that dies or misses the
+deadline is dropped from the fleet, as in a weight sync. The base is never touched:
 no reload opens, no request waits for one.
 """
 

@@ -250,8 +250,9 @@ class Syncer:
     def sync_adapter(self) -> AdapterSyncReport:
         """Put the trainer's LoRA adapter, and nothing else, into every replica: staged on all, then served by all
         (refit/orchestration/adapter_sync.py). The base weights are not touched; requests running finish on the old
-        adapter. Replicas lost on the way are dropped as in `sync`; any other failure leaves every replica serving
-        the adapter it served (docs/lora.md)."""
+        adapter. Replicas lost on the way are dropped as in `sync`. Any other failure before the serve step leaves
+        every replica serving the adapter it served; one during the serve step can leave some replicas on the new
+        adapter and the rest on their old one, as each serves it on its own (docs/lora.md)."""
         with self._alone("sync_adapter"):
             self.wait_until_started()
             if not self._fleet.members:
