@@ -97,7 +97,7 @@ def test_inspect_of_an_address_without_a_ray_cluster_is_an_error_within_its_dead
         silent, seconds = inspect(f"127.0.0.1:{stranger.getsockname()[1]}")
     assert silent.returncode == 1 and "no Ray cluster answered at address='127.0.0.1:" in silent.stderr, silent.stderr[-2000:]
     assert "within 3 s" in silent.stderr and "SIGTERM handler" not in silent.stderr
-    assert seconds < 60  # 3 s, plus importing Ray on a busy machine
+    assert seconds < 60  # the deadline, plus importing Ray on a busy machine
 
 
 def test_inspect_shows_each_named_replica_its_version_last_update_and_provenance(module_actors, shared_replicas, ray_cluster):

@@ -166,7 +166,7 @@ def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path
     """A short demo: reward rises, refit's rollouts track the trainer, the replica keeping its placeholder KV scales collapses."""
     png = tmp_path / "demo.png"
     # Half the default dataset (32 prompts): the test's three rounds cost half as much and still learn
-    # (measured: reward 0.28 -> 0.52, refit's greedy accuracy 0.16, the seed-bug replica's 0.03).
+    # (a run's numbers: docs/performance.md, "The demo").
     out = run_python(["-m", "examples.demo", "--rounds", "3", "--prompts", "32", "--plot", str(png), "--address", ray_cluster.address])
     assert re.search(r"^engines started: up [\d.]+ s after the loop began", out, re.MULTILINE), out
     rounds = ROUND.findall(out)
@@ -181,10 +181,10 @@ def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path
                       r"seed-bug replica accuracy ([\d.]+)$", out, re.MULTILINE)
     assert final, out
     first, last, gap, seed_bug = map(float, final.groups())
-    assert last >= first + 0.08, out  # the policy learns through the FP8 rollouts (measured: +0.24 in 3 rounds)
+    assert last >= first + 0.08, out  # the policy learns through the FP8 rollouts; well below a run's gain, as 3 rounds are noisy
     assert gap <= 0.1, out
     # Placeholder KV scales: not the policy refit's rollouts serve. Over the rounds, since one round's greedy accuracy
-    # moves with the policy (a Xeon with AMX: 0.25, 0.22, then 0.12 against the seed-bug replica's 0.00, 0.00, 0.03).
+    # moves with the policy, and may fall while the reward rises (docs/performance.md, "The demo").
     refit_mean = sum(float(r[5]) for r in rounds) / len(rounds)
     seed_bug_mean = sum(float(r[7]) for r in rounds) / len(rounds)
     assert seed_bug == float(rounds[-1][7]) and seed_bug_mean <= refit_mean - 0.1, out
@@ -222,5 +222,5 @@ def test_lora_rl_learns_through_adapter_only_syncs_into_fp8_rollouts(ray_cluster
         assert int(kib) == 256  # 7 projections x 2 layers, rank 8, fp32: the adapter alone
         assert abs(float(rollout) - float(trainer)) <= 0.1, out  # FP8 base + adapter serves the bf16 policy
     rewards = [float(r[4]) for r in rounds]
-    assert rewards[-1] >= rewards[0] + 0.05, out  # it learns (measured with 16 prompts: 0.314 -> 0.469 in 4 rounds)
+    assert rewards[-1] >= rewards[0] + 0.05, out  # it learns; well below a run's gain (docs/lora.md), as 4 rounds are noisy
     assert "Traceback" not in out

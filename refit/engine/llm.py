@@ -37,7 +37,8 @@ from refit.transport.kinds import TransportKind
 __all__ = ["LLMAdapter", "llm_replica", "start_llm"]
 
 # What a CPU engine process needs beside its weights and KV cache (Python,
-# torch, vLLM, warm-up buffers): measured ~0.8 GiB for the tiny fixtures.
+# torch, vLLM, warm-up buffers), with a margin over what the tiny fixtures'
+# engines take (docs/cpu.md).
 _CPU_ENGINE_OVERHEAD_BYTES = 1 << 30
 
 

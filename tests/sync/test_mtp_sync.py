@@ -32,7 +32,7 @@ def test_mtp_layers_sync_with_their_target_and_a_frozen_drafter_keeps_its_bytes(
     replica = actors_factory.rollout(MIMO, node=1, load_format="dummy", **MTP)
     report = refit.Syncer(trainer, [replica]).sync()
     synced = report.replicas[0]
-    # The probe's prompts are random tokens, not progressions: the MTP layer guesses most, not all (82% measured).
+    # The probe's prompts are random tokens, not progressions: the MTP layer guesses most, not all (docs/draft.md).
     assert synced.served_version == 1 and synced.draft_acceptance >= 0.6, report.summary()
     assert (run_in(replica, drafter_state), run_in(replica, target_state)) == reference  # exactly the checkpoint's
     assert accuracy(PROMPTS, ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
