@@ -5,15 +5,18 @@ trainer on node 0 and one FP8_BLOCK dummy-loaded rollout with an FP8 KV cache
 on node 1; each path is timed as the median of `--repeats` runs after a
 warm-up sync and one untimed round of every measurement:
 
-- refit's full sync over `ray` and over `collective`, verified (the default:
-  keyed integrity tags made by the trainer and checked before loading, every
-  tensor arrived, scales read back) and with `verify="off"` (the rollout
-  forgets its delta base before each, so every sync sends every byte;
-  `bench_delta` measures deltas); the table prints what verification costs
-  as a share of the verified sync (issue 45's target: at most 5%);
-- the default sync from a second trainer on the rollout's own node: one
-  host's Ray node, where the rollout reads each bucket from its node's
-  object store without a copy between raylets, as the round trip shares one
+- refit's full sync with the default config (`transport="auto"`, which
+  picks `shm` here: the two Ray nodes share one host), verified (keyed
+  integrity tags made by the trainer and checked before loading, every
+  tensor arrived, scales read back); over `shm` with `verify="off"`; over
+  `ray` and `collective`, each verified and with `verify="off"`; and over
+  `ray` with `delta="off"` (no delta base kept). The rollout forgets its
+  delta base before each, so every sync sends every byte (`bench_delta`
+  measures deltas); the table prints what verification costs as a share
+  of the verified sync (issue 45's target: at most 5%);
+- the verified `ray` sync from a second trainer on the rollout's own node:
+  one Ray node, where the rollout reads each bucket from its node's object
+  store without a copy between raylets, as the round trip shares one
   host's /dev/shm;
 - bf16 on the wire, quantized on the rollout (`quantize_on="rollout"`: the
   verl and NeMo-RL pattern), through refit;
@@ -22,7 +25,7 @@ warm-up sync and one untimed round of every measurement:
 - the /dev/shm round trip: the trainer quantizes with refit's own quantizer
   and writes an FP8_BLOCK safetensors file to /dev/shm, then the engine reads
   it back with vLLM's `reload_weights(weights_iterator=...)` (dummy-loaded
-  engines cannot reload by path: FACTS.md);
+  engines cannot reload by path);
 - `clone()` of the bf16 weights in the trainer: a memory-bandwidth floor;
 - the floor of a sync, each side alone: the rollout's load of the whole FP8
   model from its own memory (every bucket's tensors a default sync handed

@@ -2,7 +2,7 @@
 refused by name.
 
 Ray 2.60 cannot carry float8 tensors (`ray.get` fails with "UntypedStorage has
-no attribute 'dtype'", FACTS.md); a bucket travels as raw bytes instead.
+no attribute 'dtype'", docs/troubleshooting.md); a bucket travels as raw bytes instead.
 """
 
 from __future__ import annotations
