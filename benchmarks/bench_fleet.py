@@ -6,8 +6,8 @@ same synthetic Qwen3 as bench_sync, three FP8_BLOCK dummy-loaded rollouts
 (nodes 1, 2 and 0; the trainer on node 0), one sync to warm up, then one
 sync during which one replica is killed `--kill-after` seconds in, over
 each transport (a fresh victim for each). Prints each sync's time beside
-an undisturbed sync's, who was dropped, and whether the survivors serve
-the sync's version. Run with `.venv/bin/python -m benchmarks.bench_fleet`.
+an undisturbed sync's and their ratio (docs/performance.md quotes it), who
+was dropped, and whether the survivors serve the sync's version. Run with `.venv/bin/python -m benchmarks.bench_fleet`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def main() -> None:
                 states = ray.get([r.status.remote() for r in survivors], timeout=60)
             print(f"{transport}: {report.bytes_on_wire / 2**20:.0f} MiB "
                   f"on the wire; undisturbed sync {undisturbed.total_seconds:.2f} s; with a replica killed "
-                  f"{args.kill_after:g} s in: {seconds:.2f} s, {report.attempts} attempt(s), dropped: "
+                  f"{args.kill_after:g} s in: {seconds:.2f} s ({seconds / undisturbed.total_seconds:.2f}x undisturbed), "
+                  f"{report.attempts} attempt(s), dropped: "
                   f"{'; '.join(map(str, report.dropped)) or 'none (the kill missed the sync)'}; survivors: "
                   f"{', '.join(str(s) for s in states)} (the sync's version: v{report.version})")
 
