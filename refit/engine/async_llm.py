@@ -200,18 +200,19 @@ class AsyncLLMAdapter:
         self._admitting = 0  # requests past the gate whose add has not yet reached the engine core
         self._in_flight = 0  # requests past the gate that have not finished
         self._admitted = asyncio.Condition()
-        self.timeout_s: float | None = None  # the sync's deadline, from `check`; None before the first update
+        self.timeout_s = SyncConfig().timeout_s  # the last sync's deadline, from `check`; its default before any
 
     def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """`coroutine` on the replica's loop, waited for from the update's thread within the sync's deadline.
 
         Why a deadline here too: the update's thread holds the core's lock while it waits, and the lease watchdog
         needs that lock to close an update whose driver is gone; an engine core that never answers would keep the
-        gate shut, and every request held, for good.
+        gate shut, and every request held, for good. Calls between updates (adapter swaps, scale records) hold it
+        too, so they keep the last sync's deadline.
         """
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:  # a margin over the deadline, so that a step's own deadline (the drain's) is the one that fires
-            return future.result(timeout=None if self.timeout_s is None else self.timeout_s + _RUN_MARGIN_S)
+            return future.result(timeout=self.timeout_s + _RUN_MARGIN_S)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise EngineHungError(f"the AsyncLLM's engine did not answer within {self.timeout_s:.0f} s "
@@ -326,7 +327,6 @@ class AsyncLLMAdapter:
 
     def release_requests(self, refusal: str | None = None) -> None:
         self._run(self._set_gate(True))
-        self.timeout_s = None  # the update's last call: the deadline was its own (adapter swaps pass none here)
 
     async def _set_gate(self, open_: bool) -> None:
         if open_:

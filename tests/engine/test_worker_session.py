@@ -55,3 +55,45 @@ def test_an_asyncllm_engine_that_never_answers_is_named_hung_within_the_syncs_de
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_an_asyncllm_call_between_updates_keeps_the_last_syncs_deadline(monkeypatch):
+    """Found by review: the update's release cleared the deadline, so calls between updates (adapter swaps, scale
+    records), holding the core's lock as updates do, waited on a hung engine core for ever."""
+    import asyncio
+    import threading
+
+    import refit.engine.async_llm as async_llm
+    from refit.errors import EngineHungError
+
+    class SilentEngine:
+        async def collective_rpc(self, *args, **kwargs):
+            await asyncio.Event().wait()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    monkeypatch.setattr(async_llm, "_RUN_MARGIN_S", 0.1)
+    adapter = object.__new__(async_llm.AsyncLLMAdapter)  # its engine checks need a real vLLM config: not what is tested
+    adapter.llm, adapter.loop, adapter.timeout_s = SilentEngine(), loop, 1.0
+    adapter._gate = asyncio.Event()
+    outcome: list[BaseException] = []
+
+    def between_updates() -> None:
+        adapter.release_requests()  # the last update's last call
+        try:
+            adapter.call_workers("refit_scale_records")
+        except BaseException as error:
+            outcome.append(error)
+
+    try:
+        caller = threading.Thread(target=between_updates, daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "the call waited on the silent engine without a deadline"
+        assert isinstance(outcome[0], EngineHungError)
+    finally:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
