@@ -70,7 +70,7 @@ class RolloutModelInfo:
         text_config = config.get("text_config") or config
         quantization = config.get("quantization_config")
         vocab = text_config.get("vocab_size")
-        return cls(dict(quantization) if quantization else None, bool(text_config.get("tie_word_embeddings", False)),
+        return cls(dict(quantization) if quantization else None, _ties_embeddings(config, text_config),
                    vocab_size=int(vocab) if vocab else None)
 
     @classmethod
@@ -95,6 +95,24 @@ class RolloutModelInfo:
 
     def with_draft(self, draft: RolloutModelInfo | None) -> RolloutModelInfo:
         return replace(self, draft=draft)
+
+
+def _ties_embeddings(config: Mapping[str, Any], text_config: Mapping[str, Any]) -> bool:
+    """`tie_word_embeddings` as vLLM reads it: transformers writes a config.json without the keys equal to their
+    default, and that default is True for some model types (Gemma, GPT-2), so a missing key is the type's default."""
+    if "tie_word_embeddings" in text_config:
+        return bool(text_config["tie_word_embeddings"])
+    from transformers import AutoConfig
+
+    model_type = text_config.get("model_type") or config.get("model_type")
+    try:
+        default = AutoConfig.for_model(model_type).get_text_config()
+    except ValueError as error:
+        raise ConfigError(
+            f"the rollout's config.json has no tie_word_embeddings, and transformers does not know its "
+            f"model_type={model_type!r}, whose default it would be; set tie_word_embeddings in config.json"
+        ) from error
+    return bool(getattr(default, "tie_word_embeddings", False))
 
 
 @dataclass(frozen=True, slots=True)

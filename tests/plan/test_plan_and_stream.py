@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fixtures import model_dir
-from refit.errors import InvalidTensorError, PlanMismatchError
+from refit.errors import ConfigError, InvalidTensorError, PlanMismatchError
 from refit.plan import RolloutModelInfo, SyncConfig, TensorMeta, describe_weights, loadable_tensors, make_plan, produce_buckets
 from refit.plan.transfer_plan import TransferPlan, bucket_bound
 from refit.quantizer import quantize_fp8_block
@@ -191,6 +191,23 @@ def test_an_untied_head_is_refused_by_a_rollout_that_ties_its_head_to_its_embedd
         make_plan(describe_weights(trainer_model(tied=False)), checked(True, from_files=True), config(1 << 20))
     plan = make_plan(describe_weights(trainer_model(tied=True)), checked(False, from_files=True), config(1 << 20))
     assert dict(plan.copies)["lm_head.weight"] == "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("config, tied", [
+    ({"model_type": "gemma2"}, True),
+    ({"model_type": "llama"}, False),
+    ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, True),
+    ({"model_type": "mistral3", "text_config": {"model_type": "mistral"}}, False),
+], ids=["gemma2", "llama", "gemma3-text-config", "mistral3-text-config"])
+def test_a_config_without_tie_word_embeddings_ties_as_its_model_types_default(config, tied):
+    """Regression: a missing key read as untied, but transformers leaves out keys equal to their default when it
+    writes a config.json, and vLLM's model of Gemma or GPT-2 then ties its head to its embeddings."""
+    assert RolloutModelInfo.from_hf_config(config).tie_word_embeddings is tied
+
+
+def test_a_config_without_tie_word_embeddings_of_a_model_type_transformers_does_not_know_is_refused():
+    with pytest.raises(ConfigError, match=r"no tie_word_embeddings.*model_type='nosuch'"):
+        RolloutModelInfo.from_hf_config({"model_type": "nosuch"})
 
 
 def test_the_check_can_be_turned_off_for_names_vllm_maps_itself():
