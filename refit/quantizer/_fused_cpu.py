@@ -17,8 +17,9 @@ and clamp) is integer round-to-nearest-even, checked against torch for all
 
 Why it is compiled here rather than shipped: `-march=native` code for the
 machine that runs it, built in about a second by the system C compiler and
-cached by source hash. Where no compiler is available the torch path is used
-(same bits, slower) and a warning says so once.
+cached by source hash under $XDG_CACHE_HOME (else ~/.cache). Where no
+compiler is available, or the kernel cannot be built or loaded, the torch
+path is used (same bits, slower) and a warning says so once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -177,25 +179,33 @@ def reciprocal_mismatches() -> int:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]  # CC may hold arguments
+    if compiler[0] is None:
         _log.warning("refit: no C compiler found; FP8_BLOCK quantization falls back to torch ops (slower).")
         return None
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + platform.node().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "refit" / "kernels"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "refit" / "kernels"  # empty: unset
     target = cache / f"fp8_block_bf16-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: several Ray actors may start
-        # at once, and none may load a half-written library.
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                _log.warning("refit: building %s failed, using torch ops instead:\n%s", _SOURCE.name, result.stderr)
-                return None
-            os.replace(built, target)
-    library = ctypes.CDLL(str(target))
+    # A cache directory that cannot be made, a CC that is not there, a library that does not load: the torch
+    # path gives the same bits, so none of them may fail a quantization.
+    try:
+        if not target.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: several Ray actors may start
+            # at once, and none may load a half-written library.
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                built = Path(tmp) / target.name
+                result = subprocess.run([*compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True,
+                                        text=True)
+                if result.returncode != 0:
+                    _log.warning("refit: building %s failed, using torch ops instead:\n%s", _SOURCE.name, result.stderr)
+                    return None
+                os.replace(built, target)
+        library = ctypes.CDLL(str(target))
+    except OSError as error:
+        _log.warning("refit: cannot build or load %s (compiler %s, cache %s: %s); FP8_BLOCK quantization falls back to "
+                     "torch ops (slower).", _SOURCE.name, shlex.join(compiler), cache, error)
+        return None
     library.refit_fp8_block_bf16.restype = None
     library.refit_fp8_block_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4 + [ctypes.c_int]
     library.refit_bf16_to_fp8_e4m3.restype = None

@@ -146,3 +146,42 @@ def test_is_finite_finds_one_bad_value_anywhere(dtype):
         assert not is_finite(v)
         assert not is_finite(v.t())  # non-contiguous: the torch path
     assert is_finite(torch.arange(5))
+
+
+@pytest.fixture
+def unbuilt_kernel(monkeypatch):
+    """`_fused_cpu`'s library forgotten, so the next call builds or loads it again; forgotten again afterwards, so
+    later tests load the one their own environment gives."""
+    _fused_cpu._library.cache_clear()
+    yield monkeypatch
+    _fused_cpu._library.cache_clear()
+
+
+@pytest.mark.parametrize("environment", ["home-is-a-file", "stale-cc-path"])
+def test_a_kernel_that_cannot_be_built_or_loaded_falls_back_to_the_torch_path(environment, unbuilt_kernel, tmp_path):
+    """Regression: an OSError while building or loading the kernel (its cache directory not creatable, a compiler
+    that is not there) escaped from every quantize_fp8_block and is_finite call instead of using torch ops."""
+    if environment == "home-is-a-file":
+        (tmp_path / "home").write_text("")
+        unbuilt_kernel.setenv("HOME", str(tmp_path / "home"))
+        unbuilt_kernel.delenv("XDG_CACHE_HOME", raising=False)
+    else:
+        unbuilt_kernel.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        unbuilt_kernel.setenv("CC", str(tmp_path / "no-such-cc"))
+    from refit.quantizer.fp8_block import is_finite
+
+    w = make_weight((300, 200), torch.bfloat16, 0.05)
+    assert_bits_equal(quantize_fp8_block(w, name="w"), _quantize_with_torch(w, (128, 128)))
+    assert is_finite(w) and not _fused_cpu.handles(w)
+
+
+def test_a_cc_with_arguments_builds_the_kernel_under_home_when_xdg_cache_home_is_empty(unbuilt_kernel, tmp_path):
+    """Regression: CC="ccache gcc" was run as one file name, and an empty XDG_CACHE_HOME put the kernel cache in
+    the working directory; both mean what they mean to make and the XDG spec."""
+    unbuilt_kernel.setenv("HOME", str(tmp_path / "home"))
+    unbuilt_kernel.setenv("XDG_CACHE_HOME", "")
+    unbuilt_kernel.setenv("CC", "gcc -w")
+    unbuilt_kernel.chdir(tmp_path)
+    w = make_weight((300, 200), torch.bfloat16, 0.05)
+    assert _fused_cpu.handles(w)
+    assert list((tmp_path / "home" / ".cache" / "refit" / "kernels").glob("*.so")) and not (tmp_path / "refit").exists()
