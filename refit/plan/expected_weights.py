@@ -9,7 +9,8 @@ after loading, or not at all.
 Two sources, in the rollout's checkpoint format (the names and forms its
 checkpoint holds, which is what vLLM's loaders take):
 - the checkpoint's safetensors headers, when the engine loaded from files
-  (no tensor data is read);
+  (no tensor data is read), of the files its model.safetensors.index.json
+  names where it has one, as vLLM loads;
 - otherwise (a config-only directory, `load_format="dummy"`), the model
   built from its `config.json` on the meta device, with the FP8 forms the
   rollout's `quantization_config` gives, and the MTP layers the config
@@ -58,9 +59,21 @@ def expected_weights(
 ) -> tuple[ExpectedWeight, ...]:
     """The weights a rollout started from `model_dir` expects, sorted by name."""
     model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = _loaded_files(model_dir)
     weights = _from_headers(files) if from_files and files else _from_config(model_dir, quantization_config)
     return tuple(sorted(weights, key=lambda w: w.name))
+
+
+def _loaded_files(model_dir: Path) -> list[Path]:
+    """The safetensors files vLLM loads: where the checkpoint has an index, only those it names (vLLM's
+    `filter_duplicate_safetensors_files`), since Mistral's repositories ship a consolidated.safetensors of other
+    names beside the shards."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return files
+    indexed = set(json.loads(index.read_text())["weight_map"].values())
+    return [path for path in files if path.name in indexed]
 
 
 def _streamed(name: str) -> bool:

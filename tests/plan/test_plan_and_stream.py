@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from fixtures import model_dir
@@ -160,6 +163,20 @@ def checked(tied: bool, *, from_files: bool) -> RolloutModelInfo:
 def test_a_matching_trainer_passes_the_rollout_check(tied, from_files):
     plan = make_plan(describe_weights(trainer_model(tied)), checked(tied, from_files=from_files), config(1 << 20))
     assert set(plan.targets) == {n for n, _ in trainer_model(tied).named_parameters(remove_duplicate=False)}
+
+
+def test_the_rollout_check_reads_only_the_files_the_checkpoints_index_names(tmp_path):
+    """Regression: every *.safetensors file was read, but vLLM loads only those model.safetensors.index.json names
+    when there is one; Mistral's repositories ship a consolidated.safetensors of other names beside the shards."""
+    rollout = tmp_path / "rollout"
+    shutil.copytree(model_dir(False, "fp8_block"), rollout)
+    with safe_open(str(rollout / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    (rollout / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(rollout / "consolidated.safetensors"))
+    plan = make_plan(describe_weights(trainer_model(tied=False)), RolloutModelInfo.from_checkpoint(rollout, from_files=True),
+                     config(1 << 20))
+    assert "layers.0.attention.wq.weight" not in plan.targets
 
 
 def test_every_mismatch_with_the_rollouts_weights_is_reported_together_before_any_byte():
