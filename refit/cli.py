@@ -38,6 +38,7 @@ replica. Over a network, serve TLS (`--ssl-keyfile`, `--ssl-certfile`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser("plan", help="print the transfer plan from a trainer to a rollout checkpoint")
     plan.add_argument("trainer", type=Path, help="HF checkpoint directory of the trainer's model")
     plan.add_argument("rollout", type=Path, help="checkpoint directory the rollout engine was started from")
-    plan.add_argument("--bucket-mib", type=float, default=64.0)
+    plan.add_argument("--bucket-mib", type=_positive_mib, default=64.0, help="bucket size bound in MiB (default: 64)")
     plan.add_argument("--quantize-on", choices=("trainer", "rollout"), default="trainer")
     inspect = commands.add_parser("inspect", help="show the named rollout replicas of a running Ray cluster")
     inspect.add_argument("--address", default="auto", help="the cluster's address (default: the one this machine runs)")
@@ -74,18 +75,34 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _positive_mib(text: str) -> float:
+    """`--bucket-mib`, refused here when not a positive finite number: nan and inf have no byte count."""
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = math.nan
+    if not (math.isfinite(mib) and mib > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of MiB")
+    return mib
+
+
 def _print_plan(trainer: Path, rollout: Path, bucket_bytes: int, quantize_on: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from refit.errors import ConfigError
+    from refit.errors import ConfigError, RefitError
     from refit.plan import RolloutModelInfo, SyncConfig, describe_weights, make_plan
 
     for role, path in (("trainer", trainer), ("rollout", rollout)):
         if not (path / "config.json").is_file():
             raise ConfigError(f"{role} checkpoint {str(path)!r} has no config.json (is the path right?)")
     config = SyncConfig(bucket_bytes=bucket_bytes, quantize_on=quantize_on)
-    rollout_model = RolloutModelInfo.from_checkpoint(rollout, from_files=True)
+    try:
+        rollout_model = RolloutModelInfo.from_checkpoint(rollout, from_files=True)
+    except RefitError:
+        raise
+    except (ValueError, OSError, KeyError) as error:  # a config.json or checkpoint that json or transformers cannot read
+        raise ConfigError(f"rollout checkpoint {str(rollout)!r}: cannot read its model ({error})") from error
     try:
         with torch.device("meta"):  # names, shapes and classes only: no weights are read
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer), dtype=torch.bfloat16)

@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 
+import pytest
+
 from fixtures import model_dir
 from refit.cli import main
 
@@ -51,9 +53,32 @@ def test_plan_with_a_missing_path_is_an_error_not_a_traceback(tmp_path, capsys):
     assert "rollout checkpoint" in capsys.readouterr().err
 
 
-def test_plan_with_a_bad_bucket_size_names_the_setting(capsys):
-    assert main(["plan", str(model_dir(True, "bf16")), str(model_dir(True, "fp8_block")), "--bucket-mib", "0"]) == 1
+@pytest.mark.parametrize("mib", ["0", "-1", "nan", "inf", "many"])
+def test_plan_with_a_bad_bucket_size_names_the_flag(mib, capsys):
+    """Regression: nan and inf printed a traceback (int() of them); 0 was refused under SyncConfig's name."""
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", str(model_dir(True, "bf16")), str(model_dir(True, "fp8_block")), "--bucket-mib", mib])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument --bucket-mib: {mib!r}: expected a positive number of MiB" in err
+    assert "Traceback" not in err
+
+
+def test_plan_with_a_bucket_too_small_for_a_byte_names_the_setting(capsys):
+    assert main(["plan", str(model_dir(True, "bf16")), str(model_dir(True, "fp8_block")), "--bucket-mib", "1e-9"]) == 1
     assert "bucket_bytes=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{not json", "config.json: not valid JSON"),
+    ("[]", "config.json: expected a JSON object, not a list"),
+    (json.dumps({"model_type": "nosuch", "tie_word_embeddings": False}), "nosuch"),
+], ids=["malformed", "not-an-object", "unknown-model-type"])
+def test_plan_with_a_rollout_config_it_cannot_read_is_an_error_not_a_traceback(config, message, tmp_path, capsys):
+    """Regression: the rollout side was not wrapped as the trainer side is, so these printed a traceback."""
+    (tmp_path / "config.json").write_text(config)
+    assert main(["plan", str(model_dir(True, "bf16")), str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("refit: ") and str(tmp_path) in err and message in err and "Traceback" not in err
 
 
 def test_serve_refuses_an_option_refit_sets_before_starting_anything(capsys, monkeypatch):

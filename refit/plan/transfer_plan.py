@@ -82,7 +82,13 @@ class RolloutModelInfo:
         weights, planned in the draft's own quantization form (the target's scheme, which vLLM's drafter
         shares), and leave the target's.
         """
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        path = Path(model_dir) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path}: expected a JSON object, not a {type(config).__name__}")
         info = cls.from_hf_config(config)
         weights = expected_weights(model_dir, info.quantization_config, from_files=from_files)
         if not mtp:
