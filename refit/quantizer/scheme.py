@@ -73,10 +73,11 @@ class Fp8BlockScheme:
                 if weights.get(key) != expected:
                     problems.append(f"config_groups.{group_name}.weights.{key}={weights.get(key)!r}, FP8_BLOCK needs {expected!r}")
             structure = weights.get("block_structure")
-            if not (isinstance(structure, Sequence) and len(structure) == 2):
+            block = _block_structure(structure)
+            if block is None:
                 problems.append(f"config_groups.{group_name}.weights.block_structure={structure!r}, expected [rows, cols]")
             else:
-                blocks.add((int(structure[0]), int(structure[1])))
+                blocks.add(block)
             targets.extend(group.get("targets") or [])
         if len(blocks) > 1:
             problems.append(f"config groups use different block structures {sorted(blocks)}; refit supports one")
@@ -99,3 +100,17 @@ class Fp8BlockScheme:
             return pattern == module_name or pattern in module_classes
 
         return any(matches(t) for t in self.targets) and not any(matches(i) for i in self.ignore)
+
+
+def _block_structure(structure: Any) -> tuple[int, int] | None:
+    """`block_structure` as compressed-tensors' QuantizationArgs reads it (two ints, or the older "ROWSxCOLS"
+    string), so refit accepts what vLLM loads; None for anything else."""
+    if isinstance(structure, str):
+        try:
+            structure = [int(part) for part in structure.split("x")]
+        except ValueError:
+            return None
+    if not (isinstance(structure, Sequence) and len(structure) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in structure)):
+        return None
+    return structure[0], structure[1]

@@ -72,6 +72,31 @@ def test_mixed_block_structures_are_refused(config):
         Fp8BlockScheme.from_quantization_config(config)
 
 
+@pytest.mark.parametrize("structure", ["128x128", [128, 128], (128, 128)])
+def test_block_structure_is_read_in_every_form_compressed_tensors_accepts(config, structure):
+    """Regression: the older "ROWSxCOLS" string, which compressed-tensors' QuantizationArgs (and so vLLM) reads as
+    [rows, cols], was refused."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    config = copy.deepcopy(config)
+    weights = config["config_groups"]["group_0"]["weights"]
+    weights["block_structure"] = structure
+    assert QuantizationArgs.model_validate(weights).block_structure == [128, 128]
+    assert Fp8BlockScheme.from_quantization_config(config).block == (128, 128)
+
+
+@pytest.mark.parametrize("structure", [["a", "b"], "axb", [128.0, 128], "128", [128, 128, 1]])
+def test_a_block_structure_that_is_not_two_ints_is_refused_with_every_problem_listed(config, structure):
+    """Regression: ["a", "b"] raised a bare ValueError from int(), and the other problems went unreported."""
+    config = copy.deepcopy(config)
+    config["config_groups"]["group_0"]["weights"]["block_structure"] = structure
+    config["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    with pytest.raises(UnsupportedSchemeError) as error:
+        Fp8BlockScheme.from_quantization_config(config)
+    assert f"block_structure={structure!r}, expected [rows, cols]" in str(error.value)
+    assert "weights.num_bits=4" in str(error.value)
+
+
 def test_block_structure_must_be_positive():
     with pytest.raises(UnsupportedSchemeError, match="block structure"):
         Fp8BlockScheme(block=(128, 0))
