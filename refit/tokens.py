@@ -9,6 +9,7 @@ once, for generation and calibration alike, keeps bad ids out.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from refit.errors import InvalidTensorError
@@ -18,16 +19,17 @@ __all__ = ["token_prompts"]
 
 def token_prompts(prompts: Any, *, vocab_size: int | None = None, setting: str = "prompts") -> tuple[tuple[int, ...], ...]:
     """`prompts` as a tuple of non-empty tuples of ints in `[0, vocab_size)`; raise naming the first bad one."""
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+    if not _is_sequence(prompts, "__iter__"):
         raise InvalidTensorError(f"{setting}={prompts!r}: expected a list of token-id sequences")
     out = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        if not _is_sequence(prompt, "__len__"):
             raise InvalidTensorError(f"{setting}[{i}]={prompt!r}: expected a sequence of token ids, not text or a scalar")
         if len(prompt) == 0:
             raise InvalidTensorError(f"{setting}[{i}] is empty: every prompt needs at least one token id")
-        ids = tuple(int(t) if _is_int(t) else t for t in prompt)
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size)]
+        ids = tuple(_as_int(t) for t in prompt)
+        bad = [t for t in ids
+               if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
             limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative ints"
             raise InvalidTensorError(f"{setting}[{i}] holds token ids {bad[:4]} outside {limit}")
@@ -35,6 +37,20 @@ def token_prompts(prompts: Any, *, vocab_size: int | None = None, setting: str =
     return tuple(out)
 
 
-def _is_int(value: Any) -> bool:
-    # numpy and torch integer scalars count; bools and floats do not.
-    return not isinstance(value, bool) and hasattr(value, "__index__")
+def _is_sequence(value: Any, attribute: str) -> bool:
+    # A 0-d tensor or array has __len__ and __iter__, but both raise TypeError.
+    return not isinstance(value, (str, bytes)) and hasattr(value, attribute) and getattr(value, "ndim", 1) != 0
+
+
+def _as_int(value: Any) -> Any:
+    """`value` as an int where it is one (numpy and torch integer scalars too), else itself, to be reported.
+
+    operator.index, not hasattr(__index__): every torch.Tensor has __index__, and int() of a float tensor truncates.
+    A bool stays a bool (operator.index would make it 0 or 1): it is no token id.
+    """
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
