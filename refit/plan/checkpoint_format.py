@@ -129,7 +129,7 @@ class CheckpointView:
         parameters it renames or reshapes are converted again one by one, to
         learn which pieces each one gives.
         """
-        modules = dict(self._model.named_modules())
+        modules = dict(self._model.named_modules(remove_duplicate=False))  # every path a parameter is listed under
         meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self._tensors.items()}
         whole = {n: tuple(t.shape) for n, t in _revert(self._model, meta).items()}
         first_name: dict[int, str] = {}

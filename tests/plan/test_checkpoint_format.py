@@ -250,6 +250,18 @@ def test_a_buffer_in_a_dtype_no_bucket_carries_is_refused_at_plan_time_by_name()
     assert "ids: dtype uint32 cannot travel" in str(error.value)
 
 
+def test_a_module_registered_under_two_paths_plans_its_second_path_as_an_alias():
+    """Regression: parameters were listed under every path (remove_duplicate=False) but modules under their first
+    only, so a module shared by two paths (Zamba2's shared transformer blocks) raised a raw KeyError."""
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Module()
+    model.first, model.second = torch.nn.Sequential(shared), torch.nn.Sequential(shared)
+    metas = {m.name: m for m in describe_weights(model)}
+    assert metas["second.0.weight"].alias_of == "first.0.weight" and metas["second.0.weight"].module_classes[0] == "Linear"
+    plan = make_plan(list(metas.values()), RolloutModelInfo(None, False), SyncConfig(check_against_rollout=False))
+    assert dict(plan.copies) == {"second.0.weight": "first.0.weight", "second.0.bias": "first.0.bias"}
+
+
 def test_a_ranks_layout_reads_every_checkpoint_tensor_in_its_described_shape_scalar_buffers_too():
     """A trainer rank reads what it holds by rows (`DTensorLayout.rows`); Apertus' 0-d xIELU buffers are one row
     there (regression: they went out as shape (1,), and the replica refused the bucket)."""
