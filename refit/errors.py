@@ -139,6 +139,7 @@ def with_settlement(error: BaseException, settle: Callable[[], None]) -> BaseExc
     return error
 
 
-def settlement(error: BaseException) -> Callable[[], None] | None:
-    """What `with_settlement` gave `error`, or None."""
-    return getattr(error, _SETTLEMENT, None)
+def take_settlement(error: BaseException) -> Callable[[], None] | None:
+    """What `with_settlement` gave `error` (or None), taken off it: the error is pickled when reported, and the
+    settlement holds the stream's source (a rank's model, its group's store)."""
+    return error.__dict__.pop(_SETTLEMENT, None)

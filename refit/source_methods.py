@@ -14,7 +14,6 @@ fourth (docs/sharded.md).
 
 from __future__ import annotations
 
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from refit.adapters.weights import AdapterMeta, AdapterWeights
-from refit.errors import ConfigError, settlement
+from refit.errors import ConfigError, take_settlement
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.protocols import SOURCE_METHODS, FullWeightSource, as_declared
@@ -60,7 +59,20 @@ class TrainerWeights:
 
     def stream_buckets(self, plan: TransferPlan, transport: Rendezvous | str = "ray",
                        delta: str = "off") -> Iterator[WireBucket | BucketContents]:
-        """The plan's buckets (deltas where `delta` says), carried by `transport`; times the producing."""
+        """The plan's buckets (deltas where `delta` says), carried by `transport`; times the producing. A stream that
+        fails owing its peers something (a sharded rank: the gathers they wait in) settles it, then raises."""
+        yield from self._stream(plan, transport, delta)
+
+    def _stream(self, plan: TransferPlan, transport: Rendezvous | str = "ray", delta: str = "off", *,
+                errors_as_items: bool = False) -> Iterator[Any]:
+        """`stream_buckets`; `errors_as_items` (the Ray-facing method's, `delegate_to_weights`): a failure that owes
+        the peers is first yielded as an error item, one for each item a bucket takes, then settled.
+
+        Why report it before settling: the settling waits for peers that the
+        consumer frees only once it learns of the error (the relay takes the
+        ranks' parts in turn, and a rank stops at its window). An error item
+        reaches every reader of it as if raised here.
+        """
         self._stream_seconds = 0.0
         allocate = self.sender.bucket_buffers(transport)
         if allocate is not None and DeltaMode(delta) is not DeltaMode.OFF:
@@ -72,16 +84,17 @@ class TrainerWeights:
         try:
             yield from self.sender.send(written, transport)
         except Exception as error:
-            settle = settlement(error)
+            settle = take_settlement(error)
             if settle is None:
                 raise
-            # Reported before it is settled: the settling may wait for peers that the consumer frees only once it
-            # learns of the error. An error yielded in a Ray task reaches every reader of it as if raised here.
-            reported = _in_a_ray_task()
-            if reported:
-                yield _as_task_error(error)
-            settle()
-            if not reported:
+            try:
+                if errors_as_items:
+                    reported = _as_task_error(error)
+                    for _ in range(2 if DeltaMode(delta) is DeltaMode.BOTH else 1):
+                        yield reported
+            finally:
+                settle()
+            if not errors_as_items:
                 raise
 
     def base_entries(self) -> list[tuple]:
@@ -136,7 +149,7 @@ def delegate_to_weights(cls: _C) -> _C:
 def _delegation(cls: type, name: str) -> Callable[..., Any]:
     if name == "stream_buckets":
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            yield from self.weights.stream_buckets(*args, **kwargs)
+            yield from self.weights._stream(*args, errors_as_items=True, **kwargs)
     else:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             return getattr(self.weights, name)(*args, **kwargs)
@@ -156,11 +169,6 @@ def _timed(items: Iterator[_T], add_seconds: Callable[[float], None],
             return
         yield item
         del item  # not held while the next item is made (a bucket buffer each)
-
-
-def _in_a_ray_task() -> bool:
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_task_id() is not None
 
 
 def _as_task_error(error: Exception) -> Any:

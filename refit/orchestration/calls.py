@@ -249,6 +249,7 @@ class BucketStream:
                 break
             watched = [ref for ref in watched if ref not in ready]
             on_finished(ready)
+            deadline = time.monotonic() + timeout_s  # what `on_finished` waited for is not the stream's time
         if not any(item is self._gen for item in ready):
             raise SyncTimeoutError(
                 f"{self._who} produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); it is hung, "

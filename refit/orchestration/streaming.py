@@ -59,9 +59,13 @@ class BucketRelay:
         during that round rather than after it. `close` stops them.
         """
         self.transport, self.delta = transport, delta
+        # A rank that fails yields its error, then joins the gathers its peers wait in (`RankSource.stream`): with a
+        # window of one it would stop at that yield until the relay took the error, while the relay waited for a
+        # peer's part in such a gather.
+        window = self.config.max_buckets_in_flight if len(self.sources) == 1 else max(self.config.max_buckets_in_flight, 2)
         with submitting_together():  # the ranks' streams gather from each other: every rank runs them in one order
-            self.streams = [BucketStream(source, self.plan, self.config.max_buckets_in_flight, transport, who=who,
-                                         delta=delta) for who, source in self.sources]
+            self.streams = [BucketStream(source, self.plan, window, transport, who=who, delta=delta)
+                            for who, source in self.sources]
 
     def close(self) -> None:
         """Stop every stream still running (a failed sync's, or one that was never run); idempotent."""

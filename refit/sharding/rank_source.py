@@ -76,7 +76,7 @@ class RankSource:
         Refused on every rank, before any collective, while another caller's sync streams from the group
         (`refit.sharding.stream_turns`). Once the ranks agreed to send, a stream that ends early still joins every
         gather left to it: closed (the consumer is gone), at once; failed, once its error is reported (the error
-        carries that as its settlement, `refit.errors.settlement`, which `TrainerWeights.stream_buckets` runs).
+        carries that as its settlement, `refit.errors.take_settlement`, which `TrainerWeights` runs).
 
         Why: the other ranks wait in those gathers, or will, since only the
         consumer's closing stops them; left there, they wait until the
@@ -211,23 +211,38 @@ class _Gathers:
 
     def __init__(self, layout: RankLayout, sources: list[str]) -> None:
         self._layout, self._sources, self._joined = layout, sources, 0
+        self._failed: str | None = None  # a gather that raised
 
     def left(self) -> bool:
-        return self._joined < len(self._sources)
+        """Whether gathers are left to join (none after one raised: `join_the_rest`)."""
+        return self._failed is None and self._joined < len(self._sources)
 
     def join_next(self, source: str) -> torch.Tensor:
-        """`source` whole, the next gather in plan order; counted once it returns (one that raised is joined again)."""
-        if not self.left() or self._sources[self._joined] != source:
+        """`source` whole, the next gather in plan order."""
+        if self._joined >= len(self._sources) or self._sources[self._joined] != source:
             raise PlanMismatchError(f"{source}: gathered out of plan order (internal error)")
-        value = self._layout.gathered(source)
         self._joined += 1
-        return value
+        try:
+            return self._layout.gathered(source)
+        except BaseException:
+            self._failed = source
+            raise
 
     def join_the_rest(self, sync_id: str | None) -> None:
         """Join every gather left, dropping what each brings: the peers' streams wait in them.
 
-        Never raises: it runs as a stream ends, after the error that ended it. A gather that fails here leaves a
-        group that gathers no more (a peer is gone, say); the log says so."""
+        None after a gather raised here: which of its collectives the peers
+        met is unknown (Megatron's exchanges sizes, then rows, then
+        allocates), so joining more could pair unlike collectives. Never
+        raises: it runs as a stream ends, after the error that ended it; a
+        gather that fails here leaves a group that gathers no more (a peer
+        is gone, say). The log says so either way.
+        """
+        if self._failed is not None:
+            log.warning("sync %s: gathering %s failed on this rank, so it joins none of the %d gather(s) left; its "
+                        "peers may wait in one until the group's timeout", sync_id, self._failed,
+                        len(self._sources) - self._joined)
+            return
         try:
             while self.left():
                 self.join_next(self._sources[self._joined])
