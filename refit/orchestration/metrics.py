@@ -3,7 +3,7 @@
 Ray serves them with the rest of its metrics on each node's export port
 (`ray start --metrics-export-port`, or `ray.init(_metrics_export_port=...)`),
 prefixed `ray_`: `ray_refit_sync_seconds` (per stage; `plan` only when a plan was made), `ray_refit_sync_bytes`,
-`ray_refit_served_version` (-1 for a replica a sync dropped), `ray_refit_verification`,
+`ray_refit_served_version` (-1 for a replica a served sync dropped), `ray_refit_verification`,
 `ray_refit_post_refit_scale_writes` and `ray_refit_syncs` (by outcome).
 Each carries a `syncer` label, `SyncConfig.metrics_tag`. Every node serves
 them; Ray picks a free export port unless given one, and lists it as
@@ -21,7 +21,7 @@ from refit.orchestration.report import SyncReport
 __all__ = ["record_failure", "record_sync"]
 
 _STAGES = ("plan", "begin", "stream", "finish", "total")
-_DROPPED = -1  # the served-version gauge of a replica a sync dropped
+_DROPPED = -1  # the served-version gauge of a replica a served sync dropped (a failed sync records no versions)
 
 
 @functools.cache
@@ -35,7 +35,7 @@ def _metrics() -> dict[str, Any]:
         ),
         "bytes": metrics.Counter("refit_sync_bytes", "Bytes each replica received", tag_keys=("syncer", "replica")),
         "version": metrics.Gauge(
-            "refit_served_version", "Weight version each replica serves; -1 once a sync dropped it", tag_keys=("syncer", "replica")),
+            "refit_served_version", "Weight version each replica serves; -1 once a served sync dropped it", tag_keys=("syncer", "replica")),
         "verification": metrics.Counter("refit_verification", "Sync verification outcomes", tag_keys=("syncer", "outcome")),
         "scale_writes": metrics.Counter(
             "refit_post_refit_scale_writes", "KV-cache scales the post-refit stage wrote", tag_keys=("syncer", "replica")),
@@ -60,7 +60,8 @@ def record_sync(report: SyncReport, verified: bool, syncer: str) -> None:
         m["seconds"].observe(value, tags={"syncer": syncer, "stage": stage})
     for r in report.replicas:
         replica = {"syncer": syncer, "replica": str(r.replica)}
-        m["bytes"].inc(r.bytes_received, tags=replica)
+        if r.bytes_received:  # a counter takes no zero (a replica whose bytes came another way reports none)
+            m["bytes"].inc(r.bytes_received, tags=replica)
         m["version"].set(r.served_version or 0, tags=replica)
         if r.kv_scales_written:
             m["scale_writes"].inc(len(r.kv_scales_written), tags=replica)
