@@ -71,6 +71,7 @@ from refit.provenance import (
     checkpoint_tensor_names,
     refuse_invalid_scales,
 )
+from refit.provenance.kv_stage import live_attention_scales, restore_attention_scales
 from refit.provenance.tracker import is_attention_layer
 from refit.transport.buckets import BucketContents
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
@@ -169,6 +170,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._update_version: int | None = None
         self._loaded: set[str] = set()  # vLLM parameter names load_weights reported
         self._streamed: set[str] = set()  # checkpoint names of the tensors it was given
+        self._attention_before: dict[tuple[str, str], torch.Tensor] = {}  # the live attention scales as it opened
         self._expected: frozenset[str] = frozenset()
         self._reload: LayerwiseReload | None = None  # of the open update
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
@@ -200,6 +202,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._sent_scales: dict[str, torch.Tensor] = {}
         self._verify = False
         self._rewrap_lora = unwrap_lora_layers(self.model)
+        self._attention_before = live_attention_scales(self.model, self.provenance)
         self._reload = LayerwiseReload(self.model, self.model_config)
         self._reload.open()
         self._expected = _expected_weights(self.model) - self._reload.kept_out
@@ -368,6 +371,10 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
 
     def _finalize(self) -> None:
         self._reload.close()
+        restored = restore_attention_scales(self.model, self._attention_before, self._loaded)
+        if restored:
+            log.info("put back %d attention scale(s) the reload reset without receiving them, e.g. %s", len(restored),
+                     restored[:4])
         if self.draft is not None:
             self.draft.finalize({n.removeprefix(DRAFT_PREFIX) for n in self._streamed if n.startswith(DRAFT_PREFIX)},
                                 self._update_version)

@@ -34,7 +34,9 @@ __all__ = [
     "AttentionAmaxRecorder",
     "KvScalePolicy",
     "apply_kv_scale_policy",
+    "live_attention_scales",
     "refuse_invalid_scales",
+    "restore_attention_scales",
     "write_attention_scale",
 ]
 
@@ -45,13 +47,49 @@ class KvScalePolicy(StrEnum):
     KEEP = "keep"
 
 
-def write_attention_scale(layer: torch.nn.Module, scale: str, value: float) -> None:
-    """Set one live attention scale in place, with the host copies backends read."""
-    getattr(layer, f"_{scale}").fill_(value)
-    setattr(layer, f"_{scale}_float", value)
+def write_attention_scale(layer: torch.nn.Module, scale: str, value: float | torch.Tensor) -> None:
+    """Set one live attention scale in place (every element to `value`, or to a tensor's values), with the host
+    copies backends read."""
+    live = getattr(layer, f"_{scale}")
+    if isinstance(value, torch.Tensor):
+        live.copy_(value)
+    else:
+        live.fill_(value)
+    first = float(live.reshape(-1)[0]) if isinstance(value, torch.Tensor) else value
+    setattr(layer, f"_{scale}_float", first)
     host = getattr(layer, f"_{scale}_cpu", None)
-    if isinstance(host, torch.Tensor):
-        host.fill_(value)
+    if isinstance(host, torch.Tensor):  # a 0-d copy of a 1-element scale, say
+        host.copy_(live.reshape(host.shape)) if host.numel() == live.numel() else host.fill_(first)
+
+
+def live_attention_scales(model: torch.nn.Module, tracker: ScaleProvenanceTracker) -> dict[tuple[str, str], torch.Tensor]:
+    """A copy of every live attention scale, to put back what an update resets without sending it
+    (`restore_attention_scales`)."""
+    modules = dict(model.named_modules())
+    return {(module, scale): getattr(modules[module], f"_{scale}").detach().clone()
+            for module, scale in tracker.attention_scales()}
+
+
+def restore_attention_scales(model: torch.nn.Module, before: Mapping[tuple[str, str], torch.Tensor],
+                             sent: set[str]) -> list[str]:
+    """Put back each attention scale the update changed but did not send ("module.scale" not in `sent`); returns
+    those put back.
+
+    Why: vLLM's reload makes a layer's attention scales anew once any of
+    them arrives (`create_weights`), so a trainer that streams k and v
+    scales (NeMo-RL's way) resets q to a placeholder, and one that sends
+    some layers' v only resets their k; the record would still say
+    calibrated or checkpoint, and the post-refit stage would trust it.
+    """
+    modules = dict(model.named_modules())
+    restored = []
+    for (module, scale), value in before.items():
+        live = getattr(modules[module], f"_{scale}")
+        if f"{module}.{scale}" in sent or live.shape != value.shape or torch.equal(live, value.to(live.device)):
+            continue  # sent, made anew in another shape (nothing to put back into), or unchanged
+        write_attention_scale(modules[module], scale, value)
+        restored.append(f"{module}.{scale}")
+    return restored
 
 
 def apply_kv_scale_policy(
@@ -80,10 +118,10 @@ def apply_kv_scale_policy(
         write_attention_scale(modules[module], scale, value)
         tracker.record_set(module, scale, source, version)
         written.append(f"{module}.{scale}")
-    invalid = [
-        f"{r.module}.{r.scale}={r.value:.4g} ({r.source})"
+    invalid = [  # every element: a per-head scale with one bad head is as unservable as a bad scalar
+        f"{r.module}.{r.scale}={_worst(getattr(modules[r.module], f'_{r.scale}')):.4g} ({r.source})"
         for r in tracker.records()
-        if r.kind == "attention" and not (r.value > 0 and r.value != float("inf"))
+        if r.kind == "attention" and not is_valid_scale(getattr(modules[r.module], f"_{r.scale}"))
     ]
     if invalid:
         raise EngineError(
@@ -93,6 +131,12 @@ def apply_kv_scale_policy(
             + ". Use kv_scales='auto' or 'recompute', or stream valid scales from the trainer."
         )
     return written
+
+
+def _worst(scale: torch.Tensor) -> float:
+    """The first value of `scale` that is not positive and finite."""
+    values = scale.detach().float().reshape(-1)
+    return float(values[~(torch.isfinite(values) & (values > 0))][0])
 
 
 def refuse_invalid_scales(tensors: Sequence[tuple[str, torch.Tensor]]) -> None:

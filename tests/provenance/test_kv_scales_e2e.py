@@ -239,6 +239,28 @@ def test_a_step_failing_after_a_recompute_leaves_the_scales_recorded_as_calibrat
     refit.sync(trainer, rollout, config)  # serves again
 
 
+def test_a_layer_sent_some_of_its_attention_scales_keeps_the_others(seed_setup, actors_factory):
+    """Found by review: vLLM's reload makes all of a layer's attention scales anew once one of them arrives, so a
+    trainer streaming layer 0's k scale alone reset that layer's calibrated q and v to placeholders (1.0), still
+    recorded as calibrated, which the post-refit stage then trusted."""
+    trainer, rollout = seed_setup
+    refit.sync(trainer, rollout, refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE,
+                                                  calibration_prompts=tuple(map(tuple, CALIBRATION))))
+    before = by_key(ray.get(rollout.scale_records.remote()))
+    calibrating = actors_factory.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(model_dir(True, "bf16")), {"model.layers.0.self_attn.k_scale": 0.02}))
+
+    report = refit.sync(calibrating, rollout)
+
+    after = by_key(ray.get(rollout.scale_records.remote()))
+    layer = "model.layers.0.self_attn.attn"
+    assert after[(layer, "k_scale")].source is ScaleSource.REFIT and after[(layer, "k_scale")].version == report.version
+    assert after[(layer, "k_scale")].value == torch.tensor(0.02, dtype=torch.bfloat16).item()
+    for scale in ("q_scale", "v_scale"):
+        assert after[(layer, scale)] == before[(layer, scale)], scale  # calibrated, with its value
+    assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+
 def without_kv_cache_scheme(tmp_path: Path) -> Path:
     """The calibrated checkpoint, its config stripped of `kv_cache_scheme` (the case verl's review asked about)."""
     copy = tmp_path / "fp8_block_kv-no-scheme"

@@ -3,10 +3,17 @@ scale attributes vLLM's `Attention` has; the engine itself: tests/provenance/tes
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from refit.errors import EngineError
 from refit.provenance import KvScalePolicy, ScaleSource
-from refit.provenance.kv_stage import AttentionAmaxRecorder, apply_kv_scale_policy
+from refit.provenance.kv_stage import (
+    AttentionAmaxRecorder,
+    apply_kv_scale_policy,
+    live_attention_scales,
+    restore_attention_scales,
+)
 from refit.provenance.tracker import ScaleProvenanceTracker
 from refit.quantizer.fp8_block import FP8_E4M3_MAX
 
@@ -51,3 +58,32 @@ def test_an_amax_of_zero_writes_no_scale_made_of_it():
     apply_kv_scale_policy(net, tracker, KvScalePolicy.RECOMPUTE, version=1, measured_amax=measured)
     assert net.attn._k_scale_float == 2.0 / FP8_E4M3_MAX and tracker.source("attn", "k_scale") is ScaleSource.CALIBRATED
     assert net.attn._v_scale_float == 1.0 and tracker.source("attn", "v_scale") is ScaleSource.DEFAULT
+
+
+def test_a_per_head_scale_with_one_bad_head_is_refused_by_name():
+    """Found by review: only a scale's first element was checked, so a per-head scale whose later head held 0 or
+    NaN passed and reached the kernel."""
+    net = model()
+    tracker = ScaleProvenanceTracker(net)
+    tracker.record_initial_load("dummy", frozenset(), {})
+    apply_kv_scale_policy(net, tracker, KvScalePolicy.AUTO, version=1)  # every scale valid: 1.0
+    net.attn._v_scale = torch.tensor([0.5, 0.0, 0.25])
+    with pytest.raises(EngineError, match=r"attn\.v_scale=0 "):
+        apply_kv_scale_policy(net, tracker, KvScalePolicy.KEEP, version=2)
+
+
+def test_a_reload_that_reset_scales_it_was_not_sent_gets_them_back():
+    """vLLM's reload makes all of a layer's attention scales anew once one arrives: those not sent are put back."""
+    net = model()
+    for scale, value in (("q_scale", 0.01), ("k_scale", 0.02), ("v_scale", 0.03)):
+        getattr(net.attn, f"_{scale}").fill_(value)
+        setattr(net.attn, f"_{scale}_float", value)
+    tracker = ScaleProvenanceTracker(net)
+    before = live_attention_scales(net, tracker)
+    for scale in ("q_scale", "k_scale", "v_scale"):  # what the reload leaves: placeholders, then the sent k
+        getattr(net.attn, f"_{scale}").fill_(1.0)
+        setattr(net.attn, f"_{scale}_float", 1.0)
+    net.attn._k_scale.fill_(0.5)
+    assert restore_attention_scales(net, before, {"attn.k_scale"}) == ["attn.q_scale", "attn.v_scale"]
+    assert [float(getattr(net.attn, f"_{s}")) for s in ("q_scale", "k_scale", "v_scale")] == pytest.approx([0.01, 0.5, 0.03])
+    assert net.attn._q_scale_float == pytest.approx(0.01) and net.attn._v_scale_float == pytest.approx(0.03)
