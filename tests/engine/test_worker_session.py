@@ -28,43 +28,13 @@ def test_a_failed_abandon_still_ends_the_workers_update_session():
     assert worker._weight_update_active is False
 
 
-def test_an_asyncllm_engine_that_never_answers_is_named_hung_within_the_syncs_deadline(monkeypatch):
-    """Found by review: the update's thread waited on the engine's loop without a deadline while holding the core's
-    lock, which the lease watchdog needs to close the update, so the gate stayed shut and every request held."""
+@pytest.fixture
+def silent_engine_adapter(monkeypatch):
+    """An `AsyncLLMAdapter` with a deadline of 1 s over an engine whose calls never answer, its loop on a thread."""
     import asyncio
     import threading
 
     import refit.engine.async_llm as async_llm
-    from refit.errors import EngineHungError
-
-    class SilentEngine:
-        async def collective_rpc(self, *args, **kwargs):
-            await asyncio.Event().wait()
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    monkeypatch.setattr(async_llm, "_RUN_MARGIN_S", 0.1)
-    adapter = object.__new__(async_llm.AsyncLLMAdapter)  # its engine checks need a real vLLM config: not what is tested
-    adapter.llm, adapter.loop, adapter.timeout_s = SilentEngine(), loop, 1.0
-    try:
-        with pytest.raises(EngineHungError, match=r"the AsyncLLM's engine did not answer within 1 s"):
-            adapter.call_workers("refit_streamed")
-    finally:
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(10)  # the cancelled call ends first
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-def test_an_asyncllm_call_between_updates_keeps_the_last_syncs_deadline(monkeypatch):
-    """Found by review: the update's release cleared the deadline, so calls between updates (adapter swaps, scale
-    records), holding the core's lock as updates do, waited on a hung engine core for ever."""
-    import asyncio
-    import threading
-
-    import refit.engine.async_llm as async_llm
-    from refit.errors import EngineHungError
 
     class SilentEngine:
         async def collective_rpc(self, *args, **kwargs):
@@ -77,23 +47,42 @@ def test_an_asyncllm_call_between_updates_keeps_the_last_syncs_deadline(monkeypa
     adapter = object.__new__(async_llm.AsyncLLMAdapter)  # its engine checks need a real vLLM config: not what is tested
     adapter.llm, adapter.loop, adapter.timeout_s = SilentEngine(), loop, 1.0
     adapter._gate = asyncio.Event()
-    outcome: list[BaseException] = []
-
-    def between_updates() -> None:
-        adapter.release_requests()  # the last update's last call
-        try:
-            adapter.call_workers("refit_scale_records")
-        except BaseException as error:
-            outcome.append(error)
-
     try:
-        caller = threading.Thread(target=between_updates, daemon=True)
-        caller.start()
-        caller.join(30)
-        assert not caller.is_alive(), "the call waited on the silent engine without a deadline"
-        assert isinstance(outcome[0], EngineHungError)
+        yield adapter
     finally:
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(10)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(10)  # the cancelled call ends first
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_an_asyncllm_engine_that_never_answers_is_named_hung_within_the_syncs_deadline(silent_engine_adapter):
+    """Found by review: the update's thread waited on the engine's loop without a deadline while holding the core's
+    lock, which the lease watchdog needs to close the update, so the gate stayed shut and every request held."""
+    from refit.errors import EngineHungError
+
+    with pytest.raises(EngineHungError, match=r"the AsyncLLM's engine did not answer within 1 s"):
+        silent_engine_adapter.call_workers("refit_streamed")
+
+
+def test_an_asyncllm_call_between_updates_keeps_the_last_syncs_deadline(silent_engine_adapter):
+    """Found by review: the update's release cleared the deadline, so calls between updates (adapter swaps, scale
+    records), holding the core's lock as updates do, waited on a hung engine core for ever."""
+    import threading
+
+    from refit.errors import EngineHungError
+
+    outcome: list[BaseException] = []
+
+    def between_updates() -> None:
+        silent_engine_adapter.release_requests()  # the last update's last call
+        try:
+            silent_engine_adapter.call_workers("refit_scale_records")
+        except BaseException as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=between_updates, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "the call waited on the silent engine without a deadline"
+    assert isinstance(outcome[0], EngineHungError)
