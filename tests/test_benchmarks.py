@@ -144,3 +144,11 @@ def test_the_latency_benchmark_syncs_the_fixture_to_two_replicas_and_prints_each
         assert re.search(rf"^  {stage} +[\d.]+ ms", out, re.MULTILINE), out
     assert "18771 tensors" in out, out
     assert _docs_table.PAGE.read_text() == committed
+
+
+def test_the_quantizer_benchmark_compares_refit_with_compressed_tensors_and_a_clone():
+    committed = _docs_table.PAGE.read_text()
+    out = run_python(["-m", "benchmarks.bench_quantizer", "--size", "256", "--layers", "1", "--repeats", "1"])
+    for line in ("bf16 matrix 256x256", "synthetic decoder, 1 layers", "refit / compressed-tensors", "refit / clone"):
+        assert line in out, out
+    assert _docs_table.PAGE.read_text() == committed
