@@ -177,6 +177,14 @@ class AttentionAmaxRecorder:
 
     def stop(self) -> dict[tuple[str, str], float]:
         self.remove_hooks()
+        for name, layer in self._layers.items():
+            # A layer that shares another's KV cache (Gemma 3n's last layers) is called without k and v: they are
+            # the target's, and this layer dequantizes that cache with its own k and v scales, so it takes the
+            # target's amax.
+            target = getattr(layer, "kv_sharing_target_layer_name", None)
+            for scale in ("k_scale", "v_scale") if target else ():
+                if (target, scale) in self._amax:
+                    self._amax[(name, scale)] = self._amax[(target, scale)]
         missing = [n for n in self._layers if (n, "k_scale") not in self._amax]
         if missing:
             raise EngineError(

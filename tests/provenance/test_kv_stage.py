@@ -87,3 +87,19 @@ def test_a_reload_that_reset_scales_it_was_not_sent_gets_them_back():
     assert restore_attention_scales(net, before, {"attn.k_scale"}) == ["attn.q_scale", "attn.v_scale"]
     assert [float(getattr(net.attn, f"_{s}")) for s in ("q_scale", "k_scale", "v_scale")] == pytest.approx([0.01, 0.5, 0.03])
     assert net.attn._q_scale_float == pytest.approx(0.01) and net.attn._v_scale_float == pytest.approx(0.03)
+
+
+def test_a_layer_sharing_another_layers_kv_cache_takes_its_k_and_v_amax():
+    """Found by review: a layer that reads another layer's KV cache (vLLM's Gemma 3n calls it with k and v None) was
+    never measured, so every recompute failed naming eager mode; it dequantizes the target's cache with its own
+    scales, so they must be the target's."""
+    net = model()
+    net.shared = Attention()
+    net.shared.kv_sharing_target_layer_name = "attn"
+    recorder = AttentionAmaxRecorder(net)
+    recorder.start()
+    net.attn(torch.full((2, 4), 1.0), torch.full((2, 4), 2.0), torch.full((2, 4), 3.0))
+    net.shared(torch.full((2, 4), 0.5), None, None)
+    measured = recorder.stop()
+    assert {scale: measured[("shared", scale)] for scale in ("q_scale", "k_scale", "v_scale")} == {
+        "q_scale": 0.5, "k_scale": 2.0, "v_scale": 3.0}
