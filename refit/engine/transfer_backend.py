@@ -110,10 +110,12 @@ class DraftModel:
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
         self.loaded: set[str] = set()
         self.expected: frozenset[str] = frozenset()
+        self.attention_before: dict[tuple[str, str], torch.Tensor] = {}  # its live attention scales as its reload opened
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load draft tensors named without the prefix; the first of an update opens the draft's reload."""
         if not self.reload.is_open:
+            self.attention_before = live_attention_scales(self.model, self.provenance)
             self.reload.open()
             self.loaded = set()
             self.expected = frozenset(name for name in _expected_weights(self.model)
@@ -130,6 +132,7 @@ class DraftModel:
     def finalize(self, streamed: set[str], version: int | None) -> None:
         if self.reload.is_open:
             self.reload.close()
+            restore_attention_scales(self.model, self.attention_before, self.loaded)  # as the target's (`_finalize`)
             if version is not None:
                 self.provenance.record_streamed(self.loaded, streamed, version)
 
