@@ -209,43 +209,17 @@ def test_scales_streamed_by_a_calibrating_trainer_are_loaded_and_kept(seed_setup
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
 
 
-def test_a_step_failing_after_a_recompute_leaves_the_scales_recorded_as_calibrated(seed_setup, actors_factory):
-    """Found by review: the reload's record of what the sync streamed (here k and v scales, from a calibrating
-    trainer) was written again when a later step of the update failed (setting the engine's version), over what the
-    recompute had recorded since, so the calibrated scales the engine held read as streamed, while it refused."""
-    _, rollout = seed_setup
-    streamed = {f"model.layers.{i}.self_attn.{s}": 0.0125 for i in range(2) for s in ("k_scale", "v_scale")}
-    trainer = actors_factory.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
-        str(model_dir(True, "bf16")), streamed))
-    config = refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE, calibration_prompts=tuple(map(tuple, CALIBRATION)))
-
-    def fail_once(rollout_actor) -> None:
-        engine = rollout_actor.replica.engine
-        original = engine.mark_version
-
-        def failing(version):
-            engine.mark_version = original
-            raise RuntimeError("setting the version failed (injected)")
-
-        engine.mark_version = failing
-
-    run_in(rollout, fail_once)
-    with pytest.raises(Exception, match="setting the version failed"):
-        refit.sync(trainer, rollout, config)
-    records = by_key(ray.get(rollout.scale_records.remote()))
-    for layer in range(2):
-        for scale in ("q_scale", "k_scale", "v_scale"):
-            assert records[(f"model.layers.{layer}.self_attn.attn", scale)].source is ScaleSource.CALIBRATED, (layer, scale)
-    refit.sync(trainer, rollout, config)  # serves again
-
-
-def test_a_layer_sent_some_of_its_attention_scales_keeps_the_others(seed_setup, actors_factory):
-    """Found by review: vLLM's reload makes all of a layer's attention scales anew once one of them arrives, so a
-    trainer streaming layer 0's k scale alone reset that layer's calibrated q and v to placeholders (1.0), still
-    recorded as calibrated, which the post-refit stage then trusted."""
+def test_scales_a_sync_did_not_send_keep_their_values_and_records(seed_setup, actors_factory):
+    """Found by review, twice:
+    - vLLM's reload makes all of a layer's attention scales anew once one arrives, so a trainer streaming layer 0's
+      k scale alone reset that layer's calibrated q and v to placeholders (1.0), still recorded as calibrated, which
+      the post-refit stage then trusted;
+    - the reload's record of what a sync streamed was written again when a later step of the update failed (here:
+      setting the engine's version), over what the recompute had recorded since, so the calibrated scales the
+      engine held read as streamed, while it refused."""
     trainer, rollout = seed_setup
-    refit.sync(trainer, rollout, refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE,
-                                                  calibration_prompts=tuple(map(tuple, CALIBRATION))))
+    recompute = refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE, calibration_prompts=tuple(map(tuple, CALIBRATION)))
+    refit.sync(trainer, rollout, recompute)
     before = by_key(ray.get(rollout.scale_records.remote()))
     calibrating = actors_factory.keep(CalibratingTrainer.options(num_cpus=0, resources={"node0": 0.01}).remote(
         str(model_dir(True, "bf16")), {"model.layers.0.self_attn.k_scale": 0.02}))
@@ -259,6 +233,26 @@ def test_a_layer_sent_some_of_its_attention_scales_keeps_the_others(seed_setup, 
     for scale in ("q_scale", "v_scale"):
         assert after[(layer, scale)] == before[(layer, scale)], scale  # calibrated, with its value
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+    def fail_once(rollout_actor) -> None:
+        engine = rollout_actor.replica.engine
+        original = engine.mark_version
+
+        def failing(version):
+            engine.mark_version = original
+            raise RuntimeError("setting the version failed (injected)")
+
+        engine.mark_version = failing
+
+    run_in(rollout, fail_once)
+    with pytest.raises(Exception, match="setting the version failed"):
+        refit.sync(calibrating, rollout, recompute)  # streams layer 0's k, then measures every q, k and v
+    records = by_key(ray.get(rollout.scale_records.remote()))
+    for layer_index in range(2):
+        for scale in ("q_scale", "k_scale", "v_scale"):
+            record = records[(f"model.layers.{layer_index}.self_attn.attn", scale)]
+            assert record.source is ScaleSource.CALIBRATED, (layer_index, scale)
+    refit.sync(trainer, rollout)  # serves again
 
 
 def without_kv_cache_scheme(tmp_path: Path) -> Path:
