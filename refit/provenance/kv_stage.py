@@ -53,9 +53,10 @@ def write_attention_scale(layer: torch.nn.Module, scale: str, value: float | tor
     live = getattr(layer, f"_{scale}")
     if isinstance(value, torch.Tensor):
         live.copy_(value)
+        first = float(live.reshape(-1)[0])
     else:
         live.fill_(value)
-    first = float(live.reshape(-1)[0]) if isinstance(value, torch.Tensor) else value
+        first = value  # exactly as given, not rounded through the tensor's dtype
     setattr(layer, f"_{scale}_float", first)
     host = getattr(layer, f"_{scale}_cpu", None)
     if isinstance(host, torch.Tensor):  # a 0-d copy of a 1-element scale, say
