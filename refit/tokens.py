@@ -17,8 +17,10 @@ from refit.errors import InvalidTensorError
 __all__ = ["token_prompts"]
 
 
-def token_prompts(prompts: Any, *, vocab_size: int | None = None, setting: str = "prompts") -> tuple[tuple[int, ...], ...]:
-    """`prompts` as a tuple of non-empty tuples of ints in `[0, vocab_size)`; raise naming the first bad one."""
+def token_prompts(prompts: Any, *, vocab_size: int | None = None, setting: str = "prompts",
+                  max_model_len: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """`prompts` as a tuple of non-empty tuples of ints in `[0, vocab_size)`, each shorter than `max_model_len` (vLLM
+    refuses a prompt that leaves no room for one generated token); raise naming the first bad one."""
     if not _is_sequence(prompts, "__iter__"):
         raise InvalidTensorError(f"{setting}={prompts!r}: expected a list of token-id sequences")
     out = []
@@ -33,6 +35,9 @@ def token_prompts(prompts: Any, *, vocab_size: int | None = None, setting: str =
         if bad:
             limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative ints"
             raise InvalidTensorError(f"{setting}[{i}] holds token ids {bad[:4]} outside {limit}")
+        if max_model_len is not None and len(ids) >= max_model_len:
+            raise InvalidTensorError(f"{setting}[{i}] holds {len(ids)} token ids; the engine's max_model_len {max_model_len} "
+                                     "takes prompts of fewer tokens (EngineConfig.max_model_len)")
         out.append(ids)
     return tuple(out)
 

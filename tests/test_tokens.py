@@ -30,3 +30,11 @@ def test_a_0d_tensor_is_refused_naming_it(prompts, message):
     """Regression: a 0-d tensor has __len__ and __iter__ that raise, so it escaped as a raw TypeError."""
     with pytest.raises(InvalidTensorError, match=message):
         token_prompts(prompts)
+
+
+def test_a_prompt_that_leaves_the_engine_no_room_for_a_token_is_refused_naming_it():
+    """vLLM refuses a prompt of max_model_len tokens or more (it must generate one); a calibration prompt was found
+    too long only after every weight had loaded."""
+    assert token_prompts([[1] * 127], max_model_len=128) == ((1,) * 127,)
+    with pytest.raises(InvalidTensorError, match=r"^calibration_prompts\[1\] holds 128 token ids; the engine's max_model_len 128"):
+        token_prompts([[1], [1] * 128], setting="calibration_prompts", max_model_len=128)

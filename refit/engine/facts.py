@@ -39,6 +39,7 @@ class EngineFacts:
     fp8_kv_cache: bool
     initial_refusal: str | None  # why it must not serve before its first sync (a dummy load)
     device: str = "cpu"  # where its workers run ("cpu", "cuda", ...): `transport="auto"` asks
+    max_model_len: int | None = None  # the longest sequence it takes: a prompt must be shorter (None: not known)
 
     @classmethod
     def of(cls, vllm_config: Any) -> EngineFacts:
@@ -67,6 +68,7 @@ class EngineFacts:
                 if dummy else None
             ),
             device=str(vllm_config.device_config.device_type),
+            max_model_len=int(vllm_config.model_config.max_model_len),
         )
 
     def to_plain(self) -> dict[str, Any]:
@@ -74,7 +76,7 @@ class EngineFacts:
         return {
             "model_info": _info_to_plain(self.model_info),
             "vocab_size": self.vocab_size, "workers": self.workers, "fp8_kv_cache": self.fp8_kv_cache,
-            "initial_refusal": self.initial_refusal, "device": self.device,
+            "initial_refusal": self.initial_refusal, "device": self.device, "max_model_len": self.max_model_len,
         }
 
     @classmethod
@@ -87,6 +89,7 @@ class EngineFacts:
                 vocab_size=int(plain["vocab_size"]), workers=int(plain["workers"]),
                 fp8_kv_cache=bool(plain["fp8_kv_cache"]), initial_refusal=None if refusal is None else str(refusal),
                 device=str(plain["device"]),
+                max_model_len=None if plain.get("max_model_len") is None else int(plain["max_model_len"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"not an engine's facts ({type(error).__name__}: {error}); the sender is not refit's") from None

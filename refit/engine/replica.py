@@ -242,8 +242,9 @@ class ReplicaCore:
     # -- the update lifecycle ---------------------------------------------------------------
     def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:
         """Hold new requests, pause (requests in flight finish or abort), start the reload; returns the lowest version accepted."""
-        if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids would fail only after every weight is loaded
-            token_prompts(config.calibration_prompts, vocab_size=self.facts.vocab_size, setting="calibration_prompts")
+        if config.kv_scales is KvScalePolicy.RECOMPUTE:  # bad ids or lengths would fail only after every weight is loaded
+            token_prompts(config.calibration_prompts, vocab_size=self.facts.vocab_size, setting="calibration_prompts",
+                          max_model_len=self.facts.max_model_len)
         if (refusal := self.engine.transport_refusal(config.transport_kind)) is not None:  # before requests are held
             raise ConfigError(refusal)
         self.engine.check(config)

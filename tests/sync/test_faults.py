@@ -136,6 +136,18 @@ def test_an_out_of_vocabulary_calibration_prompt_is_refused_before_any_weight_mo
     assert_serves(replicas, trainers[0])
 
 
+def test_a_calibration_prompt_longer_than_the_engine_takes_is_refused_before_any_weight_moves(serving_first, trainers):
+    """vLLM refuses a prompt of max_model_len tokens or more; the calibration pass ran it only after every weight had
+    loaded, so the replicas refused to serve, on every sync with that config."""
+    replicas = serving_first
+    before = [status(r) for r in replicas]
+    config = refit.SyncConfig(kv_scales="recompute", calibration_prompts=[[1, 2, 3], [1] * 128], timeout_s=20)
+    with pytest.raises(refit.InvalidTensorError, match=r"calibration_prompts\[1\] holds 128 token ids.*max_model_len 128"):
+        refit.Syncer(trainers[1], replicas, config).sync()
+    assert [status(r) for r in replicas] == before  # nothing was loaded: the old version still serves
+    assert_serves(replicas, trainers[0])
+
+
 def test_a_trainer_missing_tensors_is_refused_before_any_byte_and_the_replicas_keep_serving(
     serving_first, trainers, actors_factory, tmp_path
 ):
