@@ -206,6 +206,9 @@ def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Non
         except KeyError:
             mismatched.append(f"{planned.source}: in the plan but not in the trainer's model")
             continue
+        if (problem := _not_data(planned.source, value)) is not None:
+            mismatched.append(problem)
+            continue
         if tuple(value.shape) != planned.shape or str(value.dtype).removeprefix("torch.") != planned.dtype:
             mismatched.append(
                 f"{planned.source}: {tuple(value.shape)} {value.dtype} does not match the plan's "
@@ -222,3 +225,15 @@ def _preflight(plan: TransferPlan, tensor: Callable[[str], torch.Tensor]) -> Non
         raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(mismatched + bad_values))
     if bad_values:
         raise InvalidTensorError("refusing to send any weight:\n  " + "\n  ".join(bad_values))
+
+
+def _not_data(name: str, value: object) -> str | None:
+    """Why `value` holds no values a bucket can carry (torch's own errors for these name no tensor), or None."""
+    if not isinstance(value, torch.Tensor):
+        return f"{name}: a {type(value).__name__}, not a torch.Tensor"
+    if value.is_meta:
+        return (f"{name}: on the meta device, so it holds no values (a model built or offloaded there); materialize it "
+                "before a sync")
+    if value.layout is not torch.strided:
+        return f"{name}: a {str(value.layout).removeprefix('torch.')} tensor; refit sends dense tensors"
+    return None

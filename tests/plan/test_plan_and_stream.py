@@ -151,6 +151,23 @@ def test_non_finite_values_anywhere_are_refused_before_any_bucket():
         next(produce_buckets(plan, lookup(model)))
 
 
+def test_a_tensor_without_values_or_not_a_tensor_is_refused_by_name_before_any_bucket():
+    """A parameter left on the meta device (an offloaded or never materialized model), a sparse tensor, or a lookup
+    that returns something else failed the preflight with torch's own error, naming no tensor."""
+    model = trainer_model(tied=False)
+    plan = make_plan(describe_weights(model), rollout_model(False, True), config(1 << 20))
+    params = dict(model.named_parameters())
+    params["model.layers.0.self_attn.q_proj.weight"] = torch.empty(256, 256, dtype=torch.bfloat16, device="meta")
+    params["model.norm.weight"] = params["model.norm.weight"].detach().to_sparse()
+    params["model.layers.1.input_layernorm.weight"] = params["model.layers.1.input_layernorm.weight"].tolist()
+    with pytest.raises(PlanMismatchError) as error:
+        next(produce_buckets(plan, params.__getitem__))
+    message = str(error.value)
+    assert "model.layers.0.self_attn.q_proj.weight: on the meta device" in message
+    assert "model.norm.weight: a sparse_coo tensor; refit sends dense tensors" in message
+    assert "model.layers.1.input_layernorm.weight: a list, not a torch.Tensor" in message
+
+
 # -- the plan checked against the rollout's own weights (before any byte moves) ---------------------------------
 
 
