@@ -82,7 +82,7 @@ from refit.orchestration.reporting import Attempt, check_finished, report_questi
 from refit.orchestration.streaming import BucketRelay
 from refit.orchestration.transport_choice import pick_transport
 from refit.plan.config import SyncConfig, Transport, Verify
-from refit.plan.tensors import TensorMeta
+from refit.plan.tensors import TensorMeta, checked_metadata
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
 from refit.protocols import RolloutReplica, WeightSource
 from refit.transport.delta import DeltaMode
@@ -439,7 +439,7 @@ def _merge_metadata(sources: list[tuple[str, Any]], metadata: list[list[TensorMe
     merged: dict[str, tuple[str, TensorMeta]] = {}
     problems = []
     for (who, _), metas in zip(sources, metadata):
-        for meta in metas:
+        for meta in checked_metadata(metas, who, aliases=False):  # the merged list's aliases: make_plan
             first = merged.setdefault(meta.name, (who, meta))
             if (first[1].shape, first[1].dtype) != (meta.shape, meta.dtype):
                 problems.append(f"{meta.name}: {first[1].shape} {first[1].dtype} on {first[0]}, {meta.shape} {meta.dtype} on {who}")

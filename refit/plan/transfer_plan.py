@@ -30,7 +30,7 @@ from refit.errors import ConfigError, InvalidTensorError, PlanMismatchError
 from refit.plan.config import Draft, QuantizeOn, SyncConfig
 from refit.plan.expected_weights import ExpectedWeight, expected_weights, may_stream
 from refit.plan.mtp_layers import mtp_prefixes
-from refit.plan.tensors import TensorMeta, module_classes
+from refit.plan.tensors import TensorMeta, checked_metadata, module_classes
 from refit.quantizer import Fp8BlockQuantizer, Fp8BlockScheme
 from refit.quantizer.fp8_block import SUPPORTED_DTYPES
 from refit.transport.buckets import wire_dtype_problem
@@ -307,6 +307,7 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
     "frozen" or the rollout has no draft; so do a rollout's MTP layers (`RolloutModelInfo.mtp_prefixes`), which
     the trainer names as the target's checkpoint does, and which are then sent as `draft.` + that name.
     """
+    sources = checked_metadata(sources)
     draft_info = rollout_model.draft
     mtp = draft_info.mtp_prefixes if draft_info is not None else ()
 

@@ -6,6 +6,7 @@ by real transformers models, so names and module classes are the real ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import shutil
@@ -166,6 +167,26 @@ def test_a_tensor_without_values_or_not_a_tensor_is_refused_by_name_before_any_b
     assert "model.layers.0.self_attn.q_proj.weight: on the meta device" in message
     assert "model.norm.weight: a sparse_coo tensor; refit sends dense tensors" in message
     assert "model.layers.1.input_layernorm.weight: a list, not a torch.Tensor" in message
+
+
+def test_metadata_a_weight_source_writes_by_hand_is_checked_naming_each_tensor():
+    """A torch.dtype failed as `attribute name must be string`, an alias of a name nobody reports as a bare KeyError,
+    and a list shape as a mismatch with the rollout's equal tuple ("[256, 256] from the trainer, (256, 256)")."""
+    metas = describe_weights(trainer_model(tied=False))
+    by_hand = [dataclasses.replace(m, shape=list(m.shape)) for m in metas]  # a list is the shape it lists
+    assert make_plan(by_hand, checked(False, from_files=True), config(1 << 20)).tensors == \
+        make_plan(metas, checked(False, from_files=True), config(1 << 20)).tensors
+    q, norm = "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"
+    bad = [dataclasses.replace(m, dtype=torch.bfloat16) if m.name == q else
+           dataclasses.replace(m, shape=(-256,)) if m.name == norm else m for m in metas]
+    bad += [TensorMeta("lm_head.bias", (512,), "bfloat16", ("Linear",), alias_of="lm_head.b"), ("a", (1,))]
+    with pytest.raises(PlanMismatchError) as error:
+        make_plan(bad, checked(False, from_files=True), config(1 << 20))
+    message = str(error.value)
+    assert f"{q}: dtype torch.bfloat16, expected torch's name as a str" in message
+    assert f"{norm}: shape (-256,), expected a tuple of non-negative ints" in message
+    assert "lm_head.bias: alias_of='lm_head.b', which the trainer does not report" in message
+    assert f"entry {len(metas) + 1}: a tuple, not a refit.TensorMeta" in message
 
 
 # -- the plan checked against the rollout's own weights (before any byte moves) ---------------------------------
