@@ -126,6 +126,14 @@ def check_adapter(meta: AdapterMeta, base_weights: tuple[ExpectedWeight, ...] | 
     rank = meta.config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ConfigError(f"adapter {meta.name!r}: config r={rank!r}, expected a positive int")
+    # vLLM scales every LoRA output by alpha / r (its PEFTHelper) and checks neither: a NaN alpha served NaN logits.
+    alphas = [("lora_alpha", meta.config.get("lora_alpha"))]
+    pattern = meta.config.get("alpha_pattern") or {}
+    alphas += [(f"alpha_pattern[{key!r}]", value) for key, value in (pattern.items() if isinstance(pattern, Mapping) else [])]
+    for setting, alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise ConfigError(f"adapter {meta.name!r}: config {setting}={alpha!r}, expected a finite number (its LoRA "
+                              "scaling is alpha / r)")
     if not meta.shapes:
         raise InvalidTensorError(f"adapter {meta.name!r} has no tensors")
     halves: dict[str, dict[str, tuple[int, ...]]] = {}

@@ -77,5 +77,19 @@ def test_a_bad_name_or_rank_setting_and_non_finite_values_are_refused():
         AdapterWeights.from_plain({"name": "policy", "config": {}, "tensors": [["a", "int3", [1], b"x"]]})
 
 
+@pytest.mark.parametrize("setting, match", [
+    ({"lora_alpha": float("nan")}, r"config lora_alpha=nan, expected a finite number"),
+    ({"lora_alpha": float("inf")}, r"config lora_alpha=inf, expected a finite number"),
+    ({"lora_alpha": "16"}, r"config lora_alpha='16', expected a finite number"),
+    ({"alpha_pattern": {"q_proj": float("nan")}}, r"config alpha_pattern\['q_proj'\]=nan, expected a finite number"),
+], ids=["nan", "inf", "str", "nan-pattern"])
+def test_a_scaling_that_is_no_finite_number_is_refused_before_anything_is_sent(setting, match):
+    """vLLM scales every LoRA output by lora_alpha / r (PEFTHelper) and checks neither: a NaN alpha passed every check
+    (the tensors were finite) and the replicas served NaN logits from the swap on."""
+    good = adapter()
+    with pytest.raises(ConfigError, match=match):
+        check_adapter(AdapterWeights("policy", {**good.config, **setting}, good.tensors).meta(), BASE, max_rank=8)
+
+
 def test_lora_module_names_the_module_and_the_half():
     assert lora_module(PREFIX + "self_attn.q_proj.lora_B.weight") == ("model.layers.0.self_attn.q_proj", "B")
