@@ -200,7 +200,7 @@ class AsyncLLMAdapter:
         self._admitting = 0  # requests past the gate whose add has not yet reached the engine core
         self._in_flight = 0  # requests past the gate that have not finished
         self._admitted = asyncio.Condition()
-        self.timeout_s = SyncConfig().timeout_s  # the last sync's deadline, from `check`; its default before any
+        self.timeout_s = SyncConfig().timeout_s  # the last sync's deadline, from `hold_requests`; its default before any
 
     def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """`coroutine` on the replica's loop, waited for from the update's thread within the sync's deadline.
@@ -284,9 +284,7 @@ class AsyncLLMAdapter:
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
-        # Its transport is all it can refuse (`transport_refusal`), and the core asks that; the sync's deadline bounds
-        # every wait on the engine until the update releases its requests (`_run`).
-        self.timeout_s = config.timeout_s
+        return None  # its transport is all it can refuse (`transport_refusal`), and the core asks that
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process:
@@ -322,7 +320,8 @@ class AsyncLLMAdapter:
     def mark_version(self, version: int) -> None:
         pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted
 
-    def hold_requests(self) -> None:
+    def hold_requests(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s  # the sync's deadline bounds every wait on the engine from here (`_run`)
         self._run(self._set_gate(False))
 
     def release_requests(self, refusal: str | None = None) -> None:

@@ -111,7 +111,7 @@ class LLMAdapter:
 
     # Requests are the lifecycle's: `generate` runs inside `ReplicaCore.request()`, and the
     # update's begin has waited for every one in flight before it returns. Nothing to pause.
-    def hold_requests(self) -> None:
+    def hold_requests(self, timeout_s: float) -> None:
         pass
 
     def pause(self, mode: Pause, timeout_s: float) -> None:

@@ -93,7 +93,8 @@ class EngineAdapter(Protocol):
 
     def check(self, config: SyncConfig) -> None:
         """Refuse a sync this engine cannot take part in for another reason than its transport (a pause mode, a
-        server that restarted)."""
+        server that restarted). It changes nothing: a rival sync, which the update lifecycle refuses after it, asks
+        it too."""
 
     def call_workers(self, method: str, *args: Any) -> list:
         """Call `method` on every worker (vLLM's `collective_rpc`); one result per worker."""
@@ -104,8 +105,9 @@ class EngineAdapter(Protocol):
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes: they hold K/V the old weights computed."""
 
-    def hold_requests(self) -> None:
-        """New requests wait from now on (before the update may change anything)."""
+    def hold_requests(self, timeout_s: float) -> None:
+        """New requests wait from now on (before the update may change anything). Called once the update is this
+        sync's: `timeout_s`, its deadline, bounds the engine's own calls until the next update's hold."""
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
         """Requests in flight finish (`wait`) or end marked aborted (`abort`); the scheduler stops."""
@@ -251,7 +253,7 @@ class ReplicaCore:
         with self._lock:
             holds = self.lifecycle.open_update() is None  # a rival sync's update keeps its own hold; begin refuses it
             if holds:
-                self.engine.hold_requests()
+                self.engine.hold_requests(config.timeout_s)
             try:
                 version = self.lifecycle.begin(sync_id, lease_s=config.update_lease_s, drain_timeout_s=config.timeout_s)
             except BaseException:

@@ -257,7 +257,7 @@ class ServerAdapter:
 
     def __init__(self, url: str, api_key: str | None = None, *, connect_timeout_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self.timeout_s = connect_timeout_s  # the sync's timeout_s from its first `check` on
+        self.timeout_s = connect_timeout_s  # the sync's timeout_s from its first update's hold on
         key = api_key or os.environ.get(KEY_ENV)
         if not key:
             raise ServerError(f"no API key for the server at {self.url}: every route of a refit server requires one; "
@@ -300,7 +300,6 @@ class ServerAdapter:
 
     def check(self, config: SyncConfig) -> None:
         """Refuse a server that restarted since this replica connected (its transport: `transport_refusal`)."""
-        self.timeout_s = config.timeout_s
         now = self._boot_ids()
         if now != self.boot_ids:
             raise ServerGoneError(
@@ -340,8 +339,10 @@ class ServerAdapter:
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache")
 
-    def hold_requests(self) -> None:
-        """The gate holds users' requests to generation routes from now on, until `release_requests`."""
+    def hold_requests(self, timeout_s: float) -> None:
+        """The gate holds users' requests to generation routes from now on, until `release_requests`; every call to
+        the server waits `timeout_s`, the sync's deadline, from now on."""
+        self.timeout_s = timeout_s
         self._marked = False
         # The hold lapses into a refusal if this replica stops calling, as the core's own update lease does.
         answer = self._request("POST", f"/refit/hold?lease_s={3 * self.timeout_s:.3f}")

@@ -55,7 +55,7 @@ class RecordingEngine:
     def reset_prefix_cache(self) -> None:
         self.calls.append("reset_prefix_cache")
 
-    def hold_requests(self) -> None:
+    def hold_requests(self, timeout_s) -> None:
         self.calls.append("hold_requests")
 
     def pause(self, mode, timeout_s) -> None:

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import pickle
+import time
 
 import pytest
 
@@ -354,7 +355,7 @@ def test_a_failed_update_releases_users_to_its_refusal_even_after_the_version_wa
     server = _Recorder(lambda path, _: (200, {}, b'{"pass_token": "t"}' if path.startswith("/refit/hold") else b"{}"))
     try:
         adapter = _adapter(server.url, timeout_s=0.1)
-        adapter.hold_requests()
+        adapter.hold_requests(0.1)
         adapter.mark_version(3)
         adapter.release_requests("sync s1 failed: the base digest could not be read")
     finally:
@@ -364,12 +365,40 @@ def test_a_failed_update_releases_users_to_its_refusal_even_after_the_version_wa
     assert paths[-1].startswith("/refit/release?refusing=sync%20s1%20failed")
 
 
+def test_a_rival_syncs_check_leaves_the_running_updates_deadline_to_it():
+    """Found by review: `check`, which a rival sync's begin runs before the update lifecycle refuses it, set the
+    server's deadline to the rival's, so the running update's calls to the server waited the rival's time."""
+    from refit.plan.config import SyncConfig
+
+    boot, asked = RefitWorkerExtension().refit_boot_id(), []
+
+    def answer(path: str, sent: bytes):
+        if path.startswith("/refit/hold"):
+            return 200, {}, b'{"pass_token": "t"}'
+        if path == "/collective_rpc":
+            asked.append(path)
+            if len(asked) > 1:  # the running update's call, after the rival's check: slower than the rival's deadline
+                time.sleep(2.0)
+            return 200, {}, json.dumps({"results": [RefitWorkerExtension().refit_call(json.loads(sent)["args"][0])]}).encode()
+        return 200, {}, b"{}"
+
+    server = _Recorder(answer)
+    try:
+        adapter = _adapter(server.url)
+        adapter.boot_ids = [boot]
+        adapter.hold_requests(60.0)  # the update of the sync that claimed the replica
+        adapter.check(SyncConfig(timeout_s=1))  # a rival's begin, refused after it by the lifecycle
+        assert adapter.call_workers("refit_boot_id") == [boot]
+    finally:
+        server.close()
+
+
 def test_a_gate_that_gives_no_token_for_refits_own_requests_is_refused_by_name_and_released():
     """A server running another version of refit's gate: its hold would hold the replica's own stage and probe."""
     server = _Recorder()
     try:
         with pytest.raises(ServerError, match="runs another version of refit's gate"):
-            _adapter(server.url).hold_requests()
+            _adapter(server.url).hold_requests(10.0)
     finally:
         server.close()
     assert [path for path, _ in server.seen] == ["/refit/hold?lease_s=30.000", "/refit/release"]
