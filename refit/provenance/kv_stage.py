@@ -28,7 +28,7 @@ import torch
 from refit.errors import EngineError, InvalidTensorError
 from refit.provenance.records import UNINFORMED, ScaleSource
 from refit.provenance.tracker import ATTENTION_SCALES, ScaleProvenanceTracker, is_attention_layer
-from refit.quantizer.fp8_block import FP8_E4M3_MAX, is_valid_scale
+from refit.quantizer.fp8_block import FP8_E4M3_MAX, first_invalid_scale_value, is_valid_scale
 
 __all__ = [
     "AttentionAmaxRecorder",
@@ -120,7 +120,7 @@ def apply_kv_scale_policy(
         tracker.record_set(module, scale, source, version)
         written.append(f"{module}.{scale}")
     invalid = [  # every element: a per-head scale with one bad head is as unservable as a bad scalar
-        f"{r.module}.{r.scale}={_worst(getattr(modules[r.module], f'_{r.scale}')):.4g} ({r.source})"
+        f"{r.module}.{r.scale}={first_invalid_scale_value(getattr(modules[r.module], f'_{r.scale}')):.4g} ({r.source})"
         for r in tracker.records()
         if r.kind == "attention" and not is_valid_scale(getattr(modules[r.module], f"_{r.scale}"))
     ]
@@ -132,12 +132,6 @@ def apply_kv_scale_policy(
             + ". Use kv_scales='auto' or 'recompute', or stream valid scales from the trainer."
         )
     return written
-
-
-def _worst(scale: torch.Tensor) -> float:
-    """The first value of `scale` that is not positive and finite."""
-    values = scale.detach().float().reshape(-1)
-    return float(values[~(torch.isfinite(values) & (values > 0))][0])
 
 
 def refuse_invalid_scales(tensors: Sequence[tuple[str, torch.Tensor]]) -> None:

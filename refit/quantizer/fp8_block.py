@@ -32,6 +32,7 @@ __all__ = [
     "loadable_layout",
     "dequantize_fp8_block",
     "is_finite",
+    "first_invalid_scale_value",
     "is_valid_scale",
     "quantize_fp8_block",
 ]
@@ -100,8 +101,17 @@ def loadable_layout(
 def is_valid_scale(scale: torch.Tensor) -> bool:
     """True if every value of a scale (a weight's block scales, an attention scale) is finite and positive: a zero,
     negative or NaN scale would turn every value it multiplies to garbage, silently."""
-    values = scale.float()
-    return bool(torch.isfinite(values).all()) and bool((values > 0).all())
+    return bool(_valid_scale_values(scale.float()).all())
+
+
+def first_invalid_scale_value(scale: torch.Tensor) -> float:
+    """The first value of a scale that `is_valid_scale` refuses (for an error that shows it)."""
+    values = scale.detach().float().reshape(-1)
+    return float(values[~_valid_scale_values(values)][0])
+
+
+def _valid_scale_values(values: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(values) & (values > 0)
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
