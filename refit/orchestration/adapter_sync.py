@@ -67,7 +67,10 @@ def sync_adapter(sources: Sequence[tuple[str, Any]], roll: Roll, rollout: Rollou
     version = 1 + max([last_version] + [s.adapter.version for s in statuses.values() if s.adapter is not None])
     adapter = _put_adapter(sources[0], timeout)
     roll.stage = "stage"
-    staged_on: list[tuple[str, Any]] = []
+    # Until the stage round's answers are in, any member may hold it: a driver interrupted while it waits leaves
+    # every replica staging it, and a staged adapter refuses other adapter syncs for `timeout_s`. Each unstage is
+    # queued behind its stage, and a replica that did not stage it ignores it.
+    staged_on: list[tuple[str, Any]] = list(roll.members)
     try:
         outcomes = call_all(roll.members, "stage_adapter", sync_id, version, adapter, timeout, timeout_s=timeout)
         staged_on = [m for m, o in zip(roll.members, outcomes) if o.ok]

@@ -345,3 +345,26 @@ def test_only_verification_failures_count_as_failed_verifications(monkeypatch):
         with pytest.raises(type(failure)):
             Syncer(trainer, replicas, CONFIG).sync()
         assert recorded.pop() is counted
+
+
+def test_an_interrupt_while_replicas_stage_an_adapter_unstages_it_everywhere_and_the_next_adapter_sync_succeeds():
+    """Found by review: `sync_adapter` unstaged only the replicas whose stage had answered, so a driver interrupted
+    while it waited for the stage round (the replicas staging it regardless) left the adapter staged, and every adapter
+    sync for the next `timeout_s` was refused by those replicas ("sync ... staged adapter ... has not served it yet")."""
+    from tests.support.fakes import LoraEngine, LoraTrainer, lora_replica
+
+    trainer = LoraTrainer(tiny_decoder())
+    engines = [LoraEngine(), LoraEngine()]
+    replicas = [lora_replica(engine) for engine in engines]
+    syncer = Syncer(trainer, replicas, CONFIG)
+    assert syncer.sync_adapter().version == 1
+    trainer.train_adapter()
+    engines[1].interrupt_at_stage = True  # replica 0 has staged v2 when the interrupt arrives
+    with pytest.raises(KeyboardInterrupt):
+        syncer.sync_adapter()
+    for replica, engine in zip(replicas, engines):
+        assert str(replica.status().adapter) == "policy v1"
+        assert replica.adapters._staged is None, replica.adapters._staged
+        assert len(engine.loaded) == 1  # the served adapter alone: the interrupted sync's is unloaded
+    report = syncer.sync_adapter()  # at once, not after timeout_s
+    assert report.version == 2 and all(str(r.status().adapter) == "policy v2" for r in replicas)

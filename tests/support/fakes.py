@@ -142,3 +142,73 @@ class SlowToRestartReplica(FakeReplica):
         if ray.get_runtime_context().was_current_actor_reconstructed:
             time.sleep(restart_s)
         super().__init__(expected)
+
+
+class LoraEngine:
+    """An engine adapter for `refit.ReplicaCore` that serves LoRA adapters into a dict, for adapter syncs in the fast
+    tier; `interrupt_at_stage`: its next install raises `KeyboardInterrupt` (the driver's, as it arrives mid-stage)."""
+
+    def __init__(self) -> None:
+        from refit.engine.facts import EngineFacts
+
+        self.facts = EngineFacts(RolloutModelInfo(FP8_BLOCK, False), vocab_size=64, workers=1, fp8_kv_cache=False,
+                                 initial_refusal=None)
+        self.lora_rank = 8
+        self.worker_calls_beside_requests = True
+        self.loaded: dict[int, str] = {}  # lora id -> the digest of the adapter installed under it
+        self.interrupt_at_stage = False
+
+    def call_workers(self, method: str, *args):
+        from refit.adapters import AdapterWeights
+
+        if method == "refit_add_adapter":
+            if self.interrupt_at_stage:
+                self.interrupt_at_stage = False
+                raise KeyboardInterrupt
+            self.loaded[args[0]] = AdapterWeights.from_plain(args[1]).digest()
+            return [self.loaded[args[0]]]
+        if method == "refit_remove_adapter":
+            self.loaded.pop(args[0], None)
+        return [None]
+
+    def transport_refusal(self, kind):
+        return None
+
+    def check(self, config) -> None:
+        pass
+
+    def gone(self) -> None:
+        return None
+
+
+class LoraTrainer(FakeTrainer):
+    """A `FakeTrainer` that also trains a rank-8 adapter on `down_proj` (what `Syncer.sync_adapter` sends)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.step = 0  # the adapter's values change with each `train_adapter`
+
+    def train_adapter(self) -> None:
+        self.step += 1
+
+    def adapter_weights(self):
+        from refit.adapters import AdapterWeights
+
+        torch.manual_seed(self.step)
+        module = "base_model.model.model.layers.0.mlp.down_proj"
+        tensors = {f"{module}.lora_A.weight": torch.randn(8, 256), f"{module}.lora_B.weight": torch.randn(256, 8)}
+        return AdapterWeights("policy", {"r": 8, "lora_alpha": 16, "target_modules": ["down_proj"]}, tensors)
+
+    def adapter_meta(self):
+        return self.adapter_weights().meta()
+
+
+def lora_replica(engine: LoraEngine):
+    """A `refit.ReplicaCore` over `engine`, as a plain object a `Syncer` takes."""
+    from refit.engine.replica import ReplicaCore
+
+    class LoraReplica(ReplicaCore):
+        def node_id(self) -> str:
+            return "fake-node"
+
+    return LoraReplica(engine)
