@@ -23,6 +23,7 @@ object closes the update (`expired`), so no replica is stranded.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from refit.adapters.serving import ServedAdapter
-from refit.errors import LifecycleError, ReplicaRefusingError, SyncTimeoutError
+from refit.errors import EngineGoneError, LifecycleError, ReplicaRefusingError, SyncTimeoutError
 
 __all__ = ["FinishedUpdate", "Phase", "ReplicaStatus", "UpdateLifecycle"]
 
@@ -98,6 +99,9 @@ class UpdateLifecycle:
         self._highest_version = 0
         self._requests = 0
         self._quiet = False  # `quiesced`: new requests wait, the phase does not change
+        # The syncs that began an update here (the last few): a step of a sync that never did comes from a driver
+        # that began it on an earlier process of this replica (`_owned`).
+        self._begun: collections.deque[str] = collections.deque(maxlen=64)
 
     def status(self) -> ReplicaStatus:
         with self._cond:
@@ -158,6 +162,7 @@ class UpdateLifecycle:
                     f"{self._clock() - (other.deadline - other.lease_s):.1f} s ago; run one sync at a time "
                     f"per replica (its update closes by itself after {other.lease_s:.0f} s without a call)"
                 )
+            self._begun.append(sync_id)
             resume = self._status
             proposed = self._highest_version + 1
             self._update = _Update(sync_id, proposed, lease_s, self._clock() + lease_s, resume)
@@ -271,6 +276,14 @@ class UpdateLifecycle:
 
     def _owned(self, sync_id: str, step: str) -> _Update:
         update = self._update
+        if update is None and sync_id not in self._begun:
+            # Its begin reached another process: the replica was restarted since (Ray's `max_restarts`), and this one
+            # holds none of that update. Gone as a member of that sync, as a dead one is: the fleet drops it.
+            raise EngineGoneError(
+                f"{step}: sync {sync_id} never began an update on this replica's process: it restarted since (Ray's "
+                "max_restarts), a new process with none of the update's state; once it has started, add it back with "
+                "Syncer.add_replica: the next sync sends it every weight"
+            )
         if update is None:
             raise LifecycleError(f"{step}: no update is open (it failed, was aborted or its lease lapsed); start a new sync")
         if update.sync_id != sync_id:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from refit.engine.lifecycle import Phase, UpdateLifecycle
-from refit.errors import LifecycleError, ReplicaRefusingError, SyncTimeoutError
+from refit.errors import EngineGoneError, LifecycleError, ReplicaRefusingError, SyncTimeoutError
 
 
 class Clock:
@@ -118,10 +118,22 @@ def test_a_bucket_below_the_proposed_version_is_refused():
 
 def test_steps_without_an_open_update_say_so():
     life = UpdateLifecycle()
+    life.begin("a", lease_s=60, drain_timeout_s=1)
+    life.failed("a", "aborted")
     with pytest.raises(LifecycleError, match="no update is open"):
         life.loading("a", 1)
     with pytest.raises(LifecycleError, match="no update is open"):
         life.finished("a", 1)
+
+
+def test_a_step_of_a_sync_that_began_on_an_earlier_process_says_the_replica_restarted():
+    """Found by review: a replica that Ray restarted between its begin and its next bucket answered that bucket with
+    'no update is open', an error like any other, so the sync failed (every other replica left refusing) instead of
+    dropping the restarted one as a dead one is dropped. Its new process never saw that sync begin."""
+    life = UpdateLifecycle()  # the new process's
+    for step in (lambda: life.loading("a", 1), lambda: life.finishing("a", 1)):
+        with pytest.raises(EngineGoneError, match="sync a never began an update on this replica's process: it restarted"):
+            step()
 
 
 def test_an_update_waits_for_requests_in_flight_and_holds_new_ones():

@@ -212,3 +212,18 @@ def lora_replica(engine: LoraEngine):
             return "fake-node"
 
     return LoraReplica(engine)
+
+
+class SlowTrainer(FakeTrainer):
+    """A `FakeTrainer` that takes `delay_s` to make each bucket: a stream with time between its buckets."""
+
+    def __init__(self, model: torch.nn.Module, delay_s: float) -> None:
+        super().__init__(model)
+        self.delay_s = delay_s
+
+    def stream_buckets(self, plan):
+        import time
+
+        for bucket in super().stream_buckets(plan):
+            time.sleep(self.delay_s)
+            yield bucket

@@ -173,3 +173,46 @@ def test_a_replica_that_ray_restarts_is_dropped_as_restarting_and_rejoins_when_a
     assert ray.get(phoenix.status.remote(), timeout=30).served_version == report.version
     for handle in (steady, phoenix, trainer):
         ray.kill(handle)
+
+
+def test_a_replica_that_ray_restarts_between_its_begin_and_its_next_bucket_is_dropped_and_the_other_serves(ray_cluster):
+    """A replica killed between two of its calls, and restarted by Ray before the next one reaches it: that call
+    finds a new process with no update open. Plain-Python trainer and replicas as Ray actors, as above; the trainer
+    takes a few seconds per bucket, so the restart completes while the stream is on."""
+    from tests.support.fakes import FakeReplica, SlowTrainer, expected_names, tiny_decoder
+
+    model = tiny_decoder()
+    trainer = ray.remote(SlowTrainer).options(num_cpus=0).remote(model, 4.0)
+    steady = ray.remote(FakeReplica).options(num_cpus=0).remote(expected_names(model))
+    phoenix = ray.remote(FakeReplica).options(num_cpus=0, max_restarts=1).remote(expected_names(model))
+    config = refit.SyncConfig(bucket_bytes=100_000, timeout_s=60)
+    restarted = []
+
+    def kill_once_updating_and_wait_for_the_restart() -> None:
+        while ray.get(phoenix.status.remote(), timeout=30).phase is not Phase.UPDATING:
+            time.sleep(0.05)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(phoenix.__ray_call__.remote(lambda _: os._exit(1)), timeout=60)
+        while True:
+            try:
+                restarted.append(ray.get(phoenix.status.remote(), timeout=30))
+                return
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(0.1)
+
+    import threading
+
+    killer = threading.Thread(target=kill_once_updating_and_wait_for_the_restart, daemon=True)
+    with refit.Syncer(trainer, [steady, phoenix], config) as syncer:
+        syncer.sync()
+        killer.start()
+        start = time.monotonic()
+        report = syncer.sync()
+        killer.join(timeout=60)
+    print(f"\nrestarted as {restarted} {time.monotonic() - start:.1f} s into the sync; dropped {report.dropped}")
+    assert restarted and restarted[0].served_version is None, "the replica was not restarted during the sync"
+    (dropped,) = report.dropped
+    assert dropped.replica == 1 and dropped.cause == "died", dropped
+    assert ray.get(steady.status.remote(), timeout=30).served_version == report.version
+    for handle in (steady, phoenix, trainer):
+        ray.kill(handle)
