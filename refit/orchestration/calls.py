@@ -180,7 +180,8 @@ def call_groups(groups: Sequence[tuple[Sequence[tuple[str, Any]], str, tuple]], 
 
 
 def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:
-    """The values, or the first error with every other outcome attached as a note.
+    """The values, or the first error, with a note naming the member that raised it (of several) and one for every
+    other failed outcome.
 
     A `TransportError` comes last: a broken collective group is usually the
     echo of another member's failure (a replica that died), which names the cause.
@@ -188,6 +189,8 @@ def raise_first_error(outcomes: Sequence[Outcome]) -> list[Any]:
     failed = sorted((o for o in outcomes if not o.ok), key=lambda o: isinstance(o.error, TransportError))
     if failed:
         error = failed[0].error
+        if len(outcomes) > 1:  # which of the fleet refused, where its message cannot say
+            error.add_note(f"raised by {failed[0].who}")
         for other in failed[1:]:
             error.add_note(f"also: {other.who}: {summary(other.error)}")
         raise error

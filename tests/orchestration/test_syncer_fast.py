@@ -368,3 +368,17 @@ def test_an_interrupt_while_replicas_stage_an_adapter_unstages_it_everywhere_and
         assert len(engine.loaded) == 1  # the served adapter alone: the interrupted sync's is unloaded
     report = syncer.sync_adapter()  # at once, not after timeout_s
     assert report.version == 2 and all(str(r.status().adapter) == "policy v2" for r in replicas)
+
+
+def test_an_adapter_one_replica_refuses_is_refused_naming_that_replica():
+    """Found by review: a replica's refusal reached the driver of an adapter sync as the replica's bare error, so in a
+    fleet nobody could tell which replica refused."""
+    from tests.support.fakes import LoraEngine, LoraTrainer, lora_replica
+
+    small = LoraEngine()
+    small.lora_rank = 4  # below the trainer's rank 8
+    replicas = [lora_replica(LoraEngine()), lora_replica(small)]
+    with pytest.raises(ConfigError, match="rank") as error:
+        Syncer(LoraTrainer(tiny_decoder()), replicas, CONFIG).sync_adapter()
+    assert "raised by rollout 1" in error.value.__notes__
+    assert all(r.status().adapter is None for r in replicas)
