@@ -90,8 +90,9 @@ class ActorDiedError(EngineError):
 
 
 class EngineGoneError(EngineError):
-    """A replica's engine is gone for good while the replica's actor lives on (a server that died, or restarted as
-    another server): the replica can never serve again, so a fleet drops it as it drops a dead actor."""
+    """A replica's engine is gone while the replica's actor lives on: a server that died, or restarted as another
+    server (that replica can never serve again), or a process Ray restarted since the sync's begin reached the one
+    before (its actor can be added back, `Syncer.add_replica`). A fleet drops it as it drops a dead actor."""
 
 
 class ServerError(EngineError):
