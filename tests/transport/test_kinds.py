@@ -57,6 +57,17 @@ def test_auto_broadcasts_where_a_replica_cannot_take_the_object_store_and_names_
     assert name == "collective" and why.startswith("rollout 3 cannot take 'ray'")
 
 
+def test_auto_names_a_member_that_did_not_say_its_host_rather_than_claim_two_hosts() -> None:
+    """Found by review: a replica without `transports()`, or one that did not answer it in time (hung, dying), has
+    no host; the choice fell back from `shm` as it must, but the report said the members ran on more than one host,
+    sending the user after a network layout that was not there."""
+    name, why = choose_transport(TRAINER, {"rollout 0": CPU, "rollout 1": on("", CPU)})
+    assert name == "ray" and "more than one host" not in why and "rollout 1 did not say its host" in why
+    name, why = choose_transport(TRAINER, {"rollout 0": CORE_ELSEWHERE, "rollout 1": on("", CPU)})
+    assert name == "collective" and why.startswith("rollout 0 cannot take 'ray'")
+    assert why.endswith("and rollout 1 did not say its host")
+
+
 def test_auto_refuses_a_fleet_no_transport_suits_naming_what_each_member_takes() -> None:
     with pytest.raises(ConfigError, match=r"no transport suits every member(.|\n)*trainer can send over \['ray'\]"
                                           r"(.|\n)*rollout 1 can take \['collective'\]"):

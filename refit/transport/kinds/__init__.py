@@ -78,9 +78,13 @@ def choose_transport(senders: Mapping[str, Mapping[str, Any]], replicas: Mapping
     on = f"the replicas' workers are on {', '.join(devices) or 'devices unsaid'}"
     if possible[0] == "shm":
         return "shm", f"every member runs on one host and can take it ({on})"
+    no_shm = [who for who in offers if who not in takers["shm"]]
+    # A member that did not say its host (no `transports()`, or no answer in time) is not on another host: say so.
+    unsaid = [who for who, offer in [*senders.items(), *replicas.items()] if not str(offer.get("host", ""))]
+    why_not_shm = (f"{', '.join(no_shm)} cannot take 'shm'" if no_shm else
+                   f"{', '.join(unsaid)} did not say its host" if unsaid else "the members run on more than one host")
     if possible[0] == "ray":
-        no_shm = [who for who in offers if who not in takers["shm"]]
-        why = f"{', '.join(no_shm)} cannot take 'shm'" if no_shm else "the members run on more than one host"
-        return "ray", f"every member can take it, and {why} ({on})"
+        return "ray", f"every member can take it, and {why_not_shm} ({on})"
     refusing = [who for who in offers if who not in takers["ray"]]
-    return "collective", f"{', '.join(refusing)} cannot take 'ray' (its engine core runs in another process)"
+    return "collective", (f"{', '.join(refusing)} cannot take 'ray' (its engine core runs in another process), "
+                          f"and {why_not_shm}")
