@@ -97,6 +97,13 @@ class CheckpointView:
     def metadata(self) -> list[TensorMeta]:
         return list(self._metas)
 
+    def outdated(self) -> bool:
+        """Whether the model now holds other tensor objects than this view reads: a parameter replaced since it was
+        made (`load_state_dict(..., assign=True)`, `model.to(dtype)` under FSDP2), or one added or removed. A view
+        kept across steps reads only the objects it captured, so it must then be made again."""
+        now = _state_tensors(self._model)
+        return now.keys() != self._tensors.keys() or any(now[name] is not t for name, t in self._tensors.items())
+
     def tensor(self, name: str) -> torch.Tensor:
         """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""
         param = self._tensors[self._sources[name]]

@@ -31,10 +31,33 @@ class DTensorLayout:
         """`wire_dtype`: send floating-point weights in this dtype (bf16 from fp32 master weights); each
         rank casts its own rows, and all-gathers are made in it (half the bytes of fp32)."""
         self.model = model
+        self._wire_dtype = wire_dtype
+        _reshard(model)
         self.view = CheckpointView(model, wire_dtype=wire_dtype)
 
     def metadata(self) -> list[TensorMeta]:
+        self._read_current_parameters()
         return self.view.metadata()
+
+    def finish_parameter_updates(self) -> None:
+        """Read the model's sharded parameters as it holds them now (every rank runs it as its stream starts).
+
+        Why: the view reads the parameter objects it captured. FSDP2 registers
+        other objects in their place while a module is unsharded (after a
+        forward with `reshard_after_forward=False`: bf16 copies under mixed
+        precision, which an optimizer step leaves stale and a reshard frees,
+        so that reading them sent old weights or crashed the process), and a
+        parameter can be replaced outright (`load_state_dict(..., assign=True)`,
+        which FSDP2 adopts), leaving the view to send the old one. So every
+        FSDP2 module is resharded first (as its `state_dict()` does; no
+        collective, a later forward gathers again), and the view made again
+        when the model holds other objects than it read."""
+        self._read_current_parameters()
+
+    def _read_current_parameters(self) -> None:
+        _reshard(self.model)
+        if self.view.outdated():
+            self.view = CheckpointView(self.model, wire_dtype=self._wire_dtype)
 
     def held(self, name: str) -> RowRange | None | object:
         _, extent = self._extent(name)
@@ -106,6 +129,15 @@ class _Extent(NamedTuple):
     row_numel: int  # elements per row of the tensor
     shard: tuple[int, int] | None  # [first, last) element of this rank's shard; None: not held as whole rows
     row_major: bool  # its rows lie one after another (so a run of the parameter's elements is a run of its rows)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Register FSDP2's sharded parameters on every module it shards (freeing unsharded ones); local, no collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from refit.plan import RolloutModelInfo, SyncConfig, make_plan
 from refit.sharding import RankSource
 from refit.sharding.dtensor_layout import DTensorLayout
 from refit.sharding.megatron.layout import _overlapped_param_gathers
+from refit.transport.integrity import new_sync_key
 from tests.support.fakes import FP8_BLOCK
 
 
@@ -60,5 +61,69 @@ def test_a_stream_finishes_the_layouts_updates_before_it_reads_a_weight():
         plan = make_plan(layout.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig())
         assert len(list(RankSource(layout).stream(plan))) == len(plan.buckets)
         assert events[0] == "finish" and events.count("finish") == 1 and "read" in events
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _fsdp2_world_of_one(*, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """Two fp32 Linear layers, each sharded by FSDP2 with bf16 mixed precision (as `TrainerRank` does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+    mesh, mixed = init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model:
+        fully_shard(layer, mesh=mesh, mp_policy=mixed, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, mp_policy=mixed, reshard_after_forward=reshard_after_forward)
+
+
+def _streamed_equals_held(source: RankSource, model: torch.nn.Module) -> list[str]:
+    """The names whose streamed bytes differ from those of the weights the model holds now (its `state_dict`)."""
+    from refit.plan import loadable_tensors, produce_buckets
+
+    plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
+    parts = list(source.stream(plan))  # before `state_dict()`, which reshards FSDP2's modules
+    held = {name: value.full_tensor().to(torch.bfloat16) for name, value in model.state_dict().items()}
+    wrong = []
+    for part, whole in zip(parts, produce_buckets(plan, held.__getitem__), strict=True):
+        got, want = dict(loadable_tensors(plan, part)), dict(loadable_tensors(plan, whole))
+        wrong += [name for name in want if not torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8))]
+    return wrong
+
+
+def test_a_stream_sends_parameters_that_replaced_the_ones_its_source_was_made_with():
+    """Found by review: the layout read the parameter objects it captured when made, so after
+    `load_state_dict(..., assign=True)` (which FSDP2 adopts, as the forward then computes with the new weights)
+    every sync sent the old weights, silently."""
+    from torch.distributed.tensor import DTensor
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = _fsdp2_world_of_one()
+        source = RankSource(model, wire_dtype=torch.bfloat16)
+        new = {name: DTensor.from_local(torch.randn_like(value.to_local()), value.device_mesh, value.placements)
+               for name, value in model.state_dict().items()}
+        model.load_state_dict(new, assign=True)
+        assert _streamed_equals_held(source, model) == []
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_source_made_while_fsdp2_holds_unsharded_parameters_sends_the_masters():
+    """Found by review: with `reshard_after_forward=False`, a source made after a forward captured FSDP2's unsharded
+    bf16 copies; an optimizer step changes only the sharded fp32 masters, so the sync sent the copies' old values
+    (and after a reshard frees them, reading them crashed the process)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = _fsdp2_world_of_one(reshard_after_forward=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        with torch.no_grad():
+            model(torch.randn(2, 256))
+        source = RankSource(model, wire_dtype=torch.bfloat16)
+        for parameter in optimizer.param_groups[0]["params"]:
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+        assert _streamed_equals_held(source, model) == []
     finally:
         torch.distributed.destroy_process_group()
