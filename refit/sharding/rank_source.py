@@ -64,9 +64,19 @@ class RankSource:
         """The plan's routes, agreed by all ranks once per plan (a collective)."""
         key = (plan.quantize_on, tuple((t.target, t.shape, t.block) for t in plan.tensors))
         if self._routes is None or self._routes[0] != key:
-            mine = {t.target: rows for t in plan.tensors if (rows := self.layout.held(t.source)) is not ABSENT}
+            # A rank that cannot say what it holds still joins the exchange, with its refusal: raised alone, it would
+            # leave the others in the all-gather until the group's timeout, which breaks the group for good.
+            try:
+                mine: dict | str = {t.target: rows for t in plan.tensors if (rows := self.layout.held(t.source)) is not ABSENT}
+            except KeyError as error:
+                mine = f"trainer rank {self.rank}'s model has no {error.args[0]}, which the plan holds"
+            except Exception as error:  # noqa: BLE001 - sent to every rank, each raises it
+                mine = f"trainer rank {self.rank} cannot route the plan's tensors: {type(error).__name__}: {error}"
             held: list = [None] * torch.distributed.get_world_size(self.group)
             torch.distributed.all_gather_object(held, mine, group=self.group)
+            refusals = [answer for answer in held if isinstance(answer, str)]
+            if refusals:
+                raise PlanMismatchError("refusing to send any weight: " + "; ".join(refusals))
             self._routes = (key, route_tensors(plan, held))
         return self._routes[1]
 

@@ -1,8 +1,13 @@
-"""A stream first finishes its layout's parameter updates still in flight: Megatron's distributed optimizer with
-`overlap_param_gather` leaves the all-gather of updated parameters to the next forward pass, so a sync right after
-`optimizer.step()` would read a mix of two steps. megatron-core's DistributedDataParallel needs CUDA, so the
-wrapper here is a stand-in with its attributes (`ddp_config`, `module`, `start_param_sync(force_sync=...)`, as in
-megatron-core 0.16); the stream is real (a world of one)."""
+"""A stream first reads the parameters its layout's model holds now, and every rank agrees on the routes or refuses.
+
+Megatron's distributed optimizer with `overlap_param_gather` leaves the
+all-gather of updated parameters to the next forward pass, so a sync right
+after `optimizer.step()` would read a mix of two steps; megatron-core's
+DistributedDataParallel needs CUDA, so the wrapper here is a stand-in with its
+attributes (`ddp_config`, `module`, `start_param_sync(force_sync=...)`, as in
+megatron-core 0.16). FSDP2 registers other tensors in its parameters' places
+while unsharded, and a parameter can be replaced outright. The streams are real
+(a world of one, or two gloo ranks in processes of their own)."""
 
 from __future__ import annotations
 
@@ -127,3 +132,54 @@ def test_a_source_made_while_fsdp2_holds_unsharded_parameters_sends_the_masters(
         assert _streamed_equals_held(source, model) == []
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _rank_lacking_a_planned_tensor(rank: int, store_path: str, outcomes) -> None:
+    """Rank `rank` of 2 (gloo, 30 s group timeout): rank 1's model holds `extra.weight`, rank 0's does not."""
+    import datetime
+    import time
+
+    from refit.plan import TensorMeta
+
+    store = torch.distributed.FileStore(store_path, 2)
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        layers = {"weight": torch.nn.Linear(256, 256, bias=False)} | ({"extra": torch.nn.Linear(256, 256, bias=False)} if rank else {})
+        source = RankSource(torch.nn.ModuleDict(layers).to(torch.bfloat16))
+        extra = TensorMeta("extra.weight", (256, 256), "bfloat16", ("Linear",))
+        metas = [m for m in source.metadata() if m.name != "extra.weight"] + [extra]
+        plan = make_plan(metas, RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync("s1")
+        start = time.monotonic()
+        try:
+            list(source.stream(plan))
+            outcomes.put((rank, "streamed", time.monotonic() - start))
+        except Exception as error:  # noqa: BLE001 - what each rank saw is the test's result
+            outcomes.put((rank, f"{type(error).__name__}: {error}", time.monotonic() - start))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_planned_tensor_one_rank_lacks_is_refused_by_name_on_every_rank_at_once(tmp_path):
+    """Found by review: a plan holding a tensor one rank reported and another rank's model lacks (ranks whose models
+    disagree) made `DTensorLayout.held` raise a bare `KeyError` inside `RankSource.routes`, before its all-gather,
+    while the other rank waited there until the group's timeout (20 s of 20 s measured), which breaks a gloo group
+    for good. Two real ranks (processes), gloo."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    ranks = [context.Process(target=_rank_lacking_a_planned_tensor, args=(rank, str(tmp_path / "store"), outcomes))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        seen = sorted(outcomes.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    for rank, outcome, seconds in seen:
+        assert outcome.startswith("PlanMismatchError: refusing to send any weight: trainer rank 0's model has no "
+                                  "extra.weight, which the plan holds"), (rank, outcome)
+        assert seconds < 20, (rank, seconds)  # refused at once on both, not at the group's timeout
