@@ -148,21 +148,6 @@ class SharedSegments:
         # id(buffer) -> (the buffer, weakly: a producer that dropped it writes there no more; its file; its number)
         self._lent: dict[int, tuple[weakref.ref, _Segment, int]] = {}
 
-    def start_stream(self) -> None:
-        """A stream's first bucket goes to the ring's first file, unless another stream is writing one.
-
-        Why: bucket i of a plan then takes file i % keep at every sync, so each
-        file settles at the size of the buckets that take it. A cursor running
-        on from sync to sync (a bucket count that is no multiple of the ring's)
-        moved a bucket larger than the rest (a large embedding, alone) to
-        another file each sync, and every file grew to hold it in turn. A rival
-        stream that starts between another's buckets may rewrite a file that
-        one still loads; the worker's sequence check refuses that bucket.
-        """
-        with self._lock:
-            if not any(lent[0]() is not None for lent in self._lent.values()):
-                self._cursor = 0
-
     def reserve(self, nbytes: int, keep: int) -> np.ndarray:
         """The next file's first `nbytes`, writable, numbered as the next bucket (`buffers_from`'s allocator)."""
         with self._lock:

@@ -163,34 +163,3 @@ def test_a_delta_base_over_shm_is_refused_by_name() -> None:
                                           r"\(shm\): no delta base can be kept"):
         next(weights.stream_buckets(plan, ShmHandle(6), "full"))
     assert len(list(weights.stream_buckets(plan, ShmHandle(6), "off"))) == len(plan.buckets)
-
-
-def test_a_ring_streaming_one_large_tensor_settles_after_one_sync() -> None:
-    """Found by review. A tensor larger than `bucket_bytes` travels alone and its file
-    grows to hold it; the ring's cursor runs on from sync to sync, so when a sync's bucket count is no multiple of
-    the ring's size the large bucket lands in another file each sync, and every file of the ring grows to it in
-    turn: here a model of ~4.6 MiB on the wire ends up held 6 times over (~25 MiB of memory files, pages written),
-    not the one large file plus small ones that the first sync leaves. On a model with a 1 GiB embedding that is
-    gigabytes of the trainer host's memory, beyond the documented ring (6 buckets of `bucket_bytes`)."""
-    import refit
-    from refit.plan import RolloutModelInfo, SyncConfig, checkpoint_tensors, describe_weights, make_plan, produce_buckets
-    from refit.transport import shm
-    from refit.transport.shm import ShmHandle
-    from tests.support.fakes import FP8_BLOCK, tiny_decoder
-
-    model = tiny_decoder(layers=4)
-    model.model.embed_tokens = torch.nn.Embedding(8192, 256).to(torch.bfloat16)  # 4 MiB: over bucket_bytes, alone
-    plan = make_plan(describe_weights(model), RolloutModelInfo(FP8_BLOCK, False), SyncConfig(bucket_bytes=128 << 10))
-    assert len(plan.buckets) % 6  # a sync of buckets that does not fill the ring a whole number of times
-    weights = refit.TrainerWeights(lambda: describe_weights(model), lambda p: produce_buckets(p, checkpoint_tensors(model)))
-    ring = shm.SharedSegments()
-    held = []
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(shm, "_PROCESS_SEGMENTS", ring)  # this test's own ring, as a trainer process holds one
-            for _ in range(6):
-                assert len(list(weights.stream_buckets(plan, ShmHandle(6), "off"))) == len(plan.buckets)
-                held.append(sum(os.fstat(s.fd).st_blocks * 512 for s in ring._ring if s is not None))
-    finally:
-        ring.close()
-    assert held[-1] <= held[0], f"memory held by the ring after each sync: {[h >> 20 for h in held]} MiB"

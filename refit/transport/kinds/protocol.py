@@ -106,7 +106,7 @@ class TransportKind(Protocol):
     # -- sender half ------------------------------------------------------------------
     def bucket_buffers(self, handle: Any) -> Callable[[int], np.ndarray] | None:
         """Where the trainer's producer writes each bucket (`refit.transport.buckets.buffers_from`): memory the
-        transport sends from, or None: fresh host memory. Asked once per stream, as it starts."""
+        transport sends from, or None: fresh host memory."""
         ...
 
     def send(self, buckets: Iterable[WireBucket], handle: Any,

@@ -39,7 +39,6 @@ class SharedMemoryTransport:
 
     def bucket_buffers(self, handle: Any) -> Callable[[int], np.ndarray]:
         segments = shared_segments()
-        segments.start_stream()  # asked once, as a stream starts
         return lambda nbytes: segments.reserve(nbytes, handle.keep)
 
     def send(self, buckets: Iterable[WireBucket], handle: Any, group: CollectiveGroup | None) -> Iterator[BucketContents]:
