@@ -182,7 +182,7 @@ def test_a_replica_that_ray_restarts_between_its_begin_and_its_next_bucket_is_dr
     from tests.support.fakes import FakeReplica, SlowTrainer, expected_names, tiny_decoder
 
     model = tiny_decoder()
-    trainer = ray.remote(SlowTrainer).options(num_cpus=0).remote(model, 4.0)
+    trainer = ray.remote(SlowTrainer).options(num_cpus=0).remote(model, 0.0)
     steady = ray.remote(FakeReplica).options(num_cpus=0).remote(expected_names(model))
     phoenix = ray.remote(FakeReplica).options(num_cpus=0, max_restarts=1).remote(expected_names(model))
     config = refit.SyncConfig(bucket_bytes=100_000, timeout_s=60)
@@ -205,6 +205,7 @@ def test_a_replica_that_ray_restarts_between_its_begin_and_its_next_bucket_is_dr
     killer = threading.Thread(target=kill_once_updating_and_wait_for_the_restart, daemon=True)
     with refit.Syncer(trainer, [steady, phoenix], config) as syncer:
         syncer.sync()
+        run_in(trainer, setattr, "delay_s", 4.0)  # the second sync's stream is slow, the first's not
         killer.start()
         report = syncer.sync()
         killer.join(timeout=60)
