@@ -66,7 +66,8 @@ def choose_transport(senders: Mapping[str, Mapping[str, Any]], replicas: Mapping
     """
     offers = {**{who: offer["sends"] for who, offer in senders.items()}, **{who: offer["accepts"] for who, offer in replicas.items()}}
     takers = {name: [who for who, names in offers.items() if name in names] for name in AUTO_CANDIDATES}
-    hosts = {str(offer.get("host", "")) for offer in [*senders.values(), *replicas.values()]}
+    host_of = {who: str(offer.get("host", "")) for who, offer in [*senders.items(), *replicas.items()]}
+    hosts = set(host_of.values())
     possible = [name for name in AUTO_CANDIDATES if len(takers[name]) == len(offers)
                 and (not transport_kind(name).traits.one_host or (len(hosts) == 1 and "" not in hosts))]
     if not possible:
@@ -80,7 +81,7 @@ def choose_transport(senders: Mapping[str, Mapping[str, Any]], replicas: Mapping
         return "shm", f"every member runs on one host and can take it ({on})"
     no_shm = [who for who in offers if who not in takers["shm"]]
     # A member that did not say its host (no `transports()`, or no answer in time) is not on another host: say so.
-    unsaid = [who for who, offer in [*senders.items(), *replicas.items()] if not str(offer.get("host", ""))]
+    unsaid = [who for who, host in host_of.items() if not host]
     why_not_shm = (f"{', '.join(no_shm)} cannot take 'shm'" if no_shm else
                    f"{', '.join(unsaid)} did not say its host" if unsaid else "the members run on more than one host")
     if possible[0] == "ray":
