@@ -89,6 +89,7 @@ class CheckpointView:
         self._model = model
         self._wire_dtype = wire_dtype
         self._tensors = _state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
+        self._described = {name: (t.dtype, t.shape) for name, t in self._tensors.items()}
         self._sources: dict[str, str] = {}  # checkpoint name -> the parameter or buffer it is, or is a piece of
         self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
         self._metas: list[TensorMeta] = []
@@ -99,10 +100,13 @@ class CheckpointView:
 
     def outdated(self) -> bool:
         """Whether the model now holds other tensor objects than this view reads: a parameter replaced since it was
-        made (`load_state_dict(..., assign=True)`, `model.to(dtype)` under FSDP2), or one added or removed. A view
-        kept across steps reads only the objects it captured, so it must then be made again."""
+        made (`load_state_dict(..., assign=True)`, `model.to(dtype)` under FSDP2), or one added or removed, or one
+        whose `.data` took another dtype or shape (`model.half()` on a plain module keeps each parameter object). A
+        view kept across steps reads only the objects it captured, and describes them as they were, so it must then
+        be made again."""
         now = _state_tensors(self._model)
-        return now.keys() != self._tensors.keys() or any(now[name] is not t for name, t in self._tensors.items())
+        return now.keys() != self._tensors.keys() or any(
+            now[name] is not t or (t.dtype, t.shape) != self._described[name] for name, t in self._tensors.items())
 
     def tensor(self, name: str) -> torch.Tensor:
         """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""

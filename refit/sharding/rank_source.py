@@ -205,11 +205,13 @@ class RankSource:
             raise error_class(f"trainer rank {rank} refused the sync, so every rank does: {message}")
 
     def _preflight(self, plan: TransferPlan) -> None:
-        """Global shapes against the plan (of the tensors this rank holds), and its values finite, before any part is sent."""
-        shapes = {m.name: m.shape for m in self.layout.metadata()}
+        """Global shapes and dtypes against the plan (of the tensors this rank holds), and its values finite, before
+        any part is sent (a replica would refuse a changed dtype only at its first bucket)."""
+        held = {m.name: (m.shape, m.dtype) for m in self.layout.metadata()}
         problems = [
-            f"{t.target}: shape {shapes[t.source]} in the trainer, {t.shape} in the plan; make a new plan"
-            for t in plan.tensors if t.source in shapes and shapes[t.source] != t.shape
+            f"{t.target}: {held[t.source][0]} {held[t.source][1]} in the trainer, {t.shape} {t.dtype} in the plan; "
+            "make a new plan"
+            for t in plan.tensors if t.source in held and held[t.source] != (t.shape, t.dtype)
         ]
         if problems:
             raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(problems))

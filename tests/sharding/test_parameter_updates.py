@@ -70,6 +70,28 @@ def test_a_stream_finishes_the_layouts_updates_before_it_reads_a_weight():
         torch.distributed.destroy_process_group()
 
 
+def test_a_parameter_whose_data_changed_dtype_or_shape_after_planning_is_refused_by_name_before_any_part():
+    """Found by review: the layout described each parameter once, so after `model.half()` (which keeps the parameter
+    objects and swaps their `.data`) a stream's preflight saw the old dtype and sent every part, which the replica
+    then refused at its first bucket; a shape swapped the same way was sent as well."""
+    from refit.errors import PlanMismatchError
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256)).to(torch.bfloat16)
+        source = RankSource(model)
+        plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
+        model[0].half()
+        model[1].bias.data = torch.zeros(128, dtype=torch.bfloat16)
+        with pytest.raises(PlanMismatchError) as refused:
+            next(iter(source.stream(plan)))
+        assert "0.weight: (256, 256) float16 in the trainer, (256, 256) bfloat16 in the plan" in str(refused.value)
+        assert "1.bias: (128,) bfloat16 in the trainer, (256,) bfloat16 in the plan" in str(refused.value)
+        assert "1.weight" not in str(refused.value)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def _fsdp2_world_of_one(*, reshard_after_forward: bool = True) -> torch.nn.Module:
     """Two fp32 Linear layers, each sharded by FSDP2 with bf16 mixed precision (as `TrainerRank` does)."""
     from torch.distributed.device_mesh import init_device_mesh
