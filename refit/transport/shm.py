@@ -10,11 +10,13 @@ bucket made elsewhere is copied in), and only the table of contents and
 the file's place cross Ray and vLLM's RPC; each vLLM worker maps the file read-only and
 loads from the mapping, in whichever process it runs.
 
-Why a ring of `keep` files, reused: a fresh buffer per bucket costs a page
+Why a ring of files, reused: a fresh buffer per bucket costs a page
 fault per 4 KiB on both sides, every sync. The trainer runs at most
 `max_buckets_in_flight` buckets ahead of the driver (the ipc transport's
-rule, `IpcTransport.for_buckets_in_flight`), so a file is rewritten only
-after enough newer buckets that its readers are done with it.
+rule, `IpcTransport.for_buckets_in_flight`: `keep`), so a file that took a
+bucket is given another only after `keep - 1` newer ones, when its readers
+are done with it; which of the files outside that window, by size
+(`SharedSegments`).
 
 Why a sequence number in each file's header, checked before and after the
 load: nothing else stops a writer, e.g. a second Syncer streaming from the
@@ -34,7 +36,6 @@ visible: one host, one PID namespace, one user (`host_identity`, which
 from __future__ import annotations
 
 import collections
-import itertools
 import mmap
 import os
 import stat
@@ -54,7 +55,8 @@ __all__ = ["SegmentRef", "ShmHandle", "SharedSegments", "forget_unused_mappings"
 
 _HEADER = 64  # segment id (16 bytes), sequence number (8), then padding: the bytes start cache-line aligned
 _MIN_CAPACITY = 1 << 20
-_MAPPINGS_KEPT = 16  # per worker process: a ring's files (6 by default), twice over for a second trainer or a regrown file
+_SPARE = 2  # files a trainer's ring holds beyond `keep`, so that a bucket has a choice (`SharedSegments`)
+_MAPPINGS_KEPT = 16  # per worker process: a ring's files (8 at most by default), twice over for a second trainer
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,21 +137,29 @@ class _Segment:
 
 
 class SharedSegments:
-    """The trainer process's ring of memory files: each bucket goes into the next one, round and round.
+    """The trainer process's memory files: each bucket takes one that none of the last `keep - 1` buckets took.
+
+    Why `keep + _SPARE` files, and of those outside the window the smallest that fits: with only `keep` files the
+    window leaves exactly one to take (round robin), so a bucket larger than the rest (a tensor over `bucket_bytes`,
+    sent alone) lands in another file each sync whenever a sync's bucket count is no multiple of `keep`, and over a
+    few syncs every file grows to it. The window holds at most `keep - 1` files; a second stream of a threaded actor
+    may hold one more that it is still writing; two more leave a choice, so the large bucket finds its own file again
+    (as long as a sync has `keep` buckets or more; fewer make the window hold that file, and another grows) and the
+    rest stay the size of theirs. A file is made only when none outside the window is of the bucket's size, so a
+    ring of even buckets keeps `keep` files.
 
     A producer writes a bucket straight into its file when the sender lends it the file's memory (`reserve`, through
     `refit.transport.buckets.buffers_from`); any other bucket is copied in (`send`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # a threaded actor may run two streams at once
-        self._ring: list[_Segment | None] = []
-        self._cursor = 0
-        self._sequence = itertools.count(1)
+        self._ring: list[_Segment] = []  # each file's header holds the number of the last bucket it took
+        self._sequence = 0  # the last bucket's number, of any stream: the window is counted in these
         # id(buffer) -> (the buffer, weakly: a producer that dropped it writes there no more; its file; its number)
         self._lent: dict[int, tuple[weakref.ref, _Segment, int]] = {}
 
     def reserve(self, nbytes: int, keep: int) -> np.ndarray:
-        """The next file's first `nbytes`, writable, numbered as the next bucket (`buffers_from`'s allocator)."""
+        """A file's first `nbytes`, writable, numbered as the next bucket (`buffers_from`'s allocator)."""
         with self._lock:
             self._lent = {key: lent for key, lent in self._lent.items() if lent[0]() is not None}
             segment, sequence = self._next(nbytes, keep)
@@ -170,53 +180,61 @@ class SharedSegments:
             if (lent is not None and lent[0]() is bucket.buffer and any(lent[1] is segment for segment in self._ring)
                     and lent[1].holds() == lent[2]):
                 _, segment, sequence = lent
-            elif any(segment is not None and np.may_share_memory(buffer, segment.data) for segment in self._ring):
+            elif any(np.may_share_memory(buffer, segment.data) for segment in self._ring):
                 raise TransportError(f"bucket {bucket.index}'s shared memory was taken by another stream while it "
                                      "was written; this stream is refused")
-            else:  # not written in place: copied into the next file
+            else:  # not written in place: copied into a file
                 segment, sequence = self._next(buffer.nbytes, keep)
                 np.copyto(segment.data[: buffer.nbytes], buffer.reshape(-1).view(np.uint8))
         return bucket.contents(shm=SegmentRef(os.getpid(), segment.fd, segment.id.hex, sequence).to_plain())
 
     def _next(self, nbytes: int, keep: int) -> tuple[_Segment, int]:
-        """The next file of the ring, at least `nbytes` long, numbered as the next bucket; the caller holds the lock."""
-        if len(self._ring) != keep:
-            self._resize(keep)
+        """A file for the next bucket, at least `nbytes` long, numbered as it; the caller holds the lock."""
+        sequence = self._sequence + 1
         # A file lent to a bucket still being written (another stream of a threaded actor) is passed over: renumbered
         # and written by this bucket too, the late writes of the other would land in this one after it was sent.
         being_written = {id(lent[1]) for lent in self._lent.values() if lent[0]() is not None}
-        for _ in range(keep):
-            slot = self._cursor % keep
-            self._cursor += 1
-            if id(self._ring[slot]) not in being_written:
-                break
+        free = [s for s in self._ring if sequence - s.holds() >= keep and id(s) not in being_written]
+        size = max(_MIN_CAPACITY, 1 << (nbytes - 1).bit_length())  # rounded up: a ring settles after a sync or two
+        fitting = sorted((s for s in free if s.capacity >= nbytes), key=lambda s: s.capacity)
+        smaller = [s for s in free if s.capacity < nbytes]
+        if fitting and fitting[0].capacity <= size:
+            segment = fitting[0]
+        elif len(self._ring) < keep + _SPARE or smaller:
+            # A new file rather than one far larger than the bucket (kept for the bucket it was made for); with the
+            # ring full, one outside the window grows: of those smaller than the bucket, the one that wastes least.
+            if len(self._ring) >= keep + _SPARE:
+                grown = max(smaller, key=lambda s: s.capacity)
+                free.remove(grown)
+                self._drop(grown)
+            segment = _Segment(size)
+            self._ring.append(segment)
+        elif fitting:
+            segment = fitting[0]
         else:
-            raise TransportError(f"every one of this trainer process's {keep} shared-memory files holds a bucket "
-                                 "another stream is still writing; this stream is refused (run one sync at a time "
-                                 "per trainer over shm, or raise SyncConfig.max_buckets_in_flight)")
-        segment = self._ring[slot]
-        if segment is None or segment.capacity < nbytes:
-            if segment is not None:
-                segment.close()  # a reader still mapping it keeps its pages until it lets go
-            # Rounded up so a ring settles after one sync of buckets of assorted sizes.
-            segment = self._ring[slot] = _Segment(max(_MIN_CAPACITY, 1 << (nbytes - 1).bit_length()))
-        sequence = next(self._sequence)
+            raise TransportError(f"every one of this trainer process's {len(self._ring)} shared-memory files holds one "
+                                 f"of its last {keep - 1} buckets or a bucket another stream is still writing; this "
+                                 "stream is refused (run one sync at a time per trainer over shm, or raise "
+                                 "SyncConfig.max_buckets_in_flight)")
+        excess = len(self._ring) - keep - _SPARE  # `keep` shrank since the files were made: those outside the window go
+        for surplus in [s for s in free if s is not segment][: max(excess, 0)]:
+            self._drop(surplus)
         segment.number(sequence)
+        self._sequence = sequence
         return segment, sequence
 
-    def _resize(self, keep: int) -> None:
-        for segment in self._ring[keep:]:
-            if segment is not None:
-                segment.close()
-        self._ring = (self._ring + [None] * keep)[:keep]
+    def _drop(self, segment: _Segment) -> None:
+        self._ring.remove(segment)
+        segment.close()  # a reader still mapping it keeps its pages until it lets go
 
     def nbytes(self) -> int:
         """The ring's files' sizes (the pages written are the memory they hold)."""
-        return sum(segment.capacity for segment in self._ring if segment is not None)
+        return sum(segment.capacity for segment in self._ring)
 
     def close(self) -> None:
         with self._lock:
-            self._resize(0)
+            for segment in list(self._ring):
+                self._drop(segment)
 
 
 _PROCESS_SEGMENTS = SharedSegments()  # no file exists until a bucket needs one

@@ -117,17 +117,18 @@ def test_a_file_still_being_written_is_never_lent_to_another_stream(ring: Shared
     assert bytes(open_shm_bucket(list(ring.send([slow], keep=2))[0]).buffer) == bytes(slow.buffer)
 
 
-def test_a_stream_is_refused_when_every_file_holds_a_bucket_another_stream_is_writing(ring: SharedSegments) -> None:
-    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
-        first = bucket(0, 1.0)
-        with pytest.raises(TransportError, match="every one of this trainer process's 1 shared-memory files holds a "
-                                                 "bucket another stream is still writing"):
-            bucket(1, 2.0)
-    assert bytes(open_shm_bucket(list(ring.send([first], keep=1))[0]).buffer) == bytes(first.buffer)
-    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=1)):
-        bucket(2, 3.0)  # a bucket its producer dropped unsent holds its file no more
-        later = bucket(3, 4.0)
-    assert bytes(open_shm_bucket(list(ring.send([later], keep=1))[0]).buffer) == bytes(later.buffer)
+def test_a_stream_is_refused_when_every_file_holds_a_bucket_being_written_or_one_of_the_last(ring: SharedSegments) -> None:
+    with buffers_from(lambda nbytes: ring.reserve(nbytes, keep=3)):
+        writing = [bucket(i, 1.0 + i) for i in range(3)]  # buckets that other streams are still writing
+    for index in (3, 4):
+        list(ring.send([bucket(index, 1.0)], keep=3))  # the two spare files: the last 2 buckets
+    with pytest.raises(TransportError, match="every one of this trainer process's 5 shared-memory files holds one of "
+                                             "its last 2 buckets or a bucket another stream is still writing"):
+        list(ring.send([bucket(5, 2.0)], keep=3))
+    assert bytes(open_shm_bucket(list(ring.send(writing[:1], keep=3))[0]).buffer) == bytes(writing[0].buffer)
+    del writing  # buckets their producers dropped unsent hold their files no more
+    later = bucket(6, 4.0)
+    assert bytes(open_shm_bucket(list(ring.send([later], keep=3))[0]).buffer) == bytes(later.buffer)
 
 
 def test_a_worker_unmaps_the_files_its_last_update_did_not_read(ring: SharedSegments) -> None:
@@ -135,7 +136,7 @@ def test_a_worker_unmaps_the_files_its_last_update_did_not_read(ring: SharedSegm
     first = list(ring.send([bucket(0, 1.0)], keep=1))[0]
     open_shm_bucket(first)
     assert forget_unused_mappings() == 0  # read by the update that just ended: kept for the next
-    replaced = list(ring.send([bucket(1, 1.0, rows=8192 * 2)], keep=1))[0]  # too large: a new file replaces the first
+    replaced = list(ring.send([bucket(1, 1.0, rows=8192 * 2)], keep=1))[0]  # too large: a new file beside the first
     open_shm_bucket(replaced)
     assert forget_unused_mappings() == 1  # the replaced file, read one update ago
     assert forget_unused_mappings() == 1  # and the new one, once an update went by without it
@@ -163,3 +164,46 @@ def test_a_delta_base_over_shm_is_refused_by_name() -> None:
                                           r"\(shm\): no delta base can be kept"):
         next(weights.stream_buckets(plan, ShmHandle(6), "full"))
     assert len(list(weights.stream_buckets(plan, ShmHandle(6), "off"))) == len(plan.buckets)
+
+
+def plan_of_buckets(sizes: list[int]) -> list:
+    """One sync's buckets: a flat byte tensor each, as many bytes as asked."""
+    return [pack_bucket(index, [(f"t{index}", torch.zeros(nbytes, dtype=torch.uint8))]) for index, nbytes in enumerate(sizes)]
+
+
+def test_a_bucket_larger_than_the_rest_keeps_to_one_file_from_sync_to_sync(ring: SharedSegments) -> None:
+    """Regression: the ring's place ran on from sync to sync, so with a bucket count no multiple of the ring's size a
+    tensor over bucket_bytes (sent alone, in a bucket larger than the rest) landed in another file each sync, until
+    every file had grown to it. Now each bucket takes the smallest file the window leaves that fits it."""
+    keep, small, big = 6, 1 << 20, 4 << 20
+    sizes = [small // 2] * 7
+    sizes[3] = big - 4096  # the embedding, alone in its bucket
+    for _ in range(4 * keep):
+        list(ring.send(plan_of_buckets(sizes), keep=keep))
+    # keep files of 1 MiB and one of 4 MiB (round robin grew all six to 4 MiB: 24 MiB)
+    assert ring.nbytes() <= keep * small + big, ring.nbytes()
+
+
+def test_no_file_takes_a_bucket_while_one_of_the_last_keep_buckets_is_in_it(ring: SharedSegments) -> None:
+    """The window every transport's ring keeps: a file takes a new bucket only after keep-1 later ones were handed
+    out, whichever streams they came from and whatever their sizes."""
+    keep = 4
+    streams = [[1 << 19] * 5 + [3 << 20], [1 << 18] * 3, [1 << 20] * 2 + [5 << 20] + [1 << 19] * 4]
+    handed: list[tuple[str, int]] = []  # (file, bucket number) in the order they were handed out
+    for turn in range(40):  # the streams interleaved, bucket by bucket, each one's plan over and over
+        sizes = streams[turn % len(streams)]
+        contents = list(ring.send(plan_of_buckets([sizes[turn % len(sizes)]]), keep=keep))[0]
+        handed.append((contents.shm[2], contents.shm[3]))
+    assert [number for _, number in handed] == sorted(number for _, number in handed)
+    last: dict[str, int] = {}
+    for position, (segment, _) in enumerate(handed):
+        assert position - last.get(segment, -keep) >= keep, (segment, position, last[segment])
+        last[segment] = position
+
+
+def test_a_ring_asked_for_a_smaller_window_closes_the_files_beyond_it(ring: SharedSegments) -> None:
+    list(ring.send(plan_of_buckets([1 << 19] * 8), keep=6))
+    assert len(ring._ring) == 6
+    contents = list(ring.send(plan_of_buckets([1 << 19] * 3), keep=1))  # max_buckets_in_flight lowered, say
+    assert len(ring._ring) == 1 + 2
+    assert bytes(open_shm_bucket(contents[-1]).buffer) == bytes(plan_of_buckets([1 << 19] * 3)[-1].buffer)
