@@ -205,3 +205,44 @@ def test_a_planned_tensor_one_rank_lacks_is_refused_by_name_on_every_rank_at_onc
         assert outcome.startswith("PlanMismatchError: refusing to send any weight: trainer rank 0's model has no "
                                   "extra.weight, which the plan holds"), (rank, outcome)
         assert seconds < 20, (rank, seconds)  # refused at once on both, not at the group's timeout
+
+
+def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_was_made_with():
+    """Found by review: `MegatronLayout` read the parameter objects it captured when made, so after
+    `load_state_dict(..., assign=True)` (the model then computes with the new weights) every sync sent the old
+    weights, silently. A real megatron-core `GPTModel` (the Qwen3 fixture), a world of one over gloo."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
+    from fixtures import model_dir
+    from refit.plan import loadable_tensors, produce_buckets
+    from refit.provenance.tracker import checkpoint_tensor_names
+    from refit.sharding.megatron import load_hf_checkpoint, megatron_source
+    from refit.sharding.megatron.layout import megatron_slots
+
+    _quiet_megatron_imports()
+    checkpoint = model_dir(False, "bf16")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1)
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel())
+        source = megatron_source(model, vocab_size=config["vocab_size"])
+        load_hf_checkpoint(source.layout, checkpoint)
+        model.load_state_dict({name: torch.randn_like(value) if value is not None and value.is_floating_point() else value
+                               for name, value in model.state_dict().items()}, assign=True)
+        layout = source.layout
+        held = {slot.target: slot.read(param.detach()).to(torch.bfloat16)
+                for _, param, slot in megatron_slots(layout.model, layout.dims, layout.place) if slot.sends}
+        plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
+        wrong = []
+        for part, whole in zip(source.stream(plan), produce_buckets(plan, held.__getitem__), strict=True):
+            got, want = dict(loadable_tensors(plan, part)), dict(loadable_tensors(plan, whole))
+            wrong += [name for name in want if not torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8))]
+        assert wrong == []
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

@@ -52,20 +52,32 @@ class MegatronLayout:
         self._groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
                         "etp": parallel_state.get_expert_tensor_parallel_group()}
         # Context-parallel ranks hold the same weights too: counted in, or every copy would send them.
-        first_replica = {False: parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
-                         True: parallel_state.get_expert_data_parallel_rank() == 0}
+        self._first_replica = {False: parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
+                               True: parallel_state.get_expert_data_parallel_rank() == 0}
+        self._read_current_parameters()
+
+    def _read_current_parameters(self) -> None:
+        """Map each sent tensor to the parameter the model holds now.
+
+        Why: a parameter can be replaced outright (`load_state_dict(..., assign=True)`), and the model computes with
+        the new one; a layout that kept the objects it first read would send the old weights, silently."""
+        self._params = dict(self.model.named_parameters())
         self._sends: dict[str, tuple[torch.Tensor, Slot]] = {}
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
-            if slot.sends and first_replica[".mlp.experts." in f".{name}"]:
+            if slot.sends and self._first_replica[".mlp.experts." in f".{name}"]:
                 self._sends[slot.target] = (param, slot)
 
     def finish_parameter_updates(self) -> None:
         """Finish the distributed optimizer's all-gather of the updated parameters, which `overlap_param_gather`
         leaves to the next forward pass: until then each data-parallel rank's parameters are new only where its
         optimizer shard lies, and the sync would send a mix of two steps. Megatron does the same before it
-        evaluates or saves (`disable_forward_pre_hook(param_sync=True)`); a collective over data-parallel ranks."""
+        evaluates or saves (`disable_forward_pre_hook(param_sync=True)`); a collective over data-parallel ranks.
+        Then the parameters are read as the model holds them now (`_read_current_parameters`)."""
         for wrapper in self._pending_gathers:
             wrapper.start_param_sync(force_sync=True)
+        current = dict(self.model.named_parameters())
+        if current.keys() != self._params.keys() or any(param is not self._params[name] for name, param in current.items()):
+            self._read_current_parameters()
 
     def metadata(self) -> list[TensorMeta]:
         return [TensorMeta(slot.target, slot.shape, self._dtype(param), _MODULE_CLASSES[slot.kind])
