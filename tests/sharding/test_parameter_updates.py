@@ -246,3 +246,72 @@ def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_wa
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def _megatron_stage_that_gains_an_unknown_parameter(rank: int, store_path: str, outcomes) -> None:
+    """Pipeline stage `rank` of 2 (gloo, 30 s group timeout) of the Qwen3 fixture; after its source is made, stage 1's
+    layer gains a parameter the mapping cannot place (as an adapter a job adds would be). Streams twice."""
+    import datetime
+    import json
+    import time
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
+    from fixtures import model_dir
+    from refit.provenance.tracker import checkpoint_tensor_names
+    from refit.sharding.megatron import load_hf_checkpoint, megatron_source
+
+    _quiet_megatron_imports()
+    checkpoint = model_dir(False, "bf16")
+    store = torch.distributed.FileStore(store_path, 2)
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel(pp=2))
+        source = megatron_source(model, vocab_size=config["vocab_size"])
+        load_hf_checkpoint(source.layout, checkpoint)
+        metas: list = [None, None]
+        torch.distributed.all_gather_object(metas, source.metadata())
+        plan = make_plan(metas[0] + metas[1], RolloutModelInfo(FP8_BLOCK, False), SyncConfig())
+        if rank == 1:
+            model.decoder.layers[0].self_attention.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4)))
+        for attempt in range(2):
+            start = time.monotonic()
+            try:
+                list(source.stream(plan.for_sync(b"key", f"s{attempt}", 30.0)))
+                outcomes.put((rank, attempt, "streamed", time.monotonic() - start))
+            except Exception as error:  # noqa: BLE001 - what each rank saw is the test's result
+                outcomes.put((rank, attempt, f"{type(error).__name__}: {error}", time.monotonic() - start))
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def test_a_megatron_parameter_the_mapping_cannot_place_added_on_one_stage_is_refused_on_every_rank_at_once(tmp_path):
+    """A parameter added after the source was made, on one pipeline stage only, is refused by name on both stages, at
+    once and on every later sync: read as the stream starts, its refusal on that stage alone would leave the other
+    in a collective until the group's timeout, which breaks a gloo group for good. Real megatron-core, two gloo
+    ranks (processes)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    ranks = [context.Process(target=_megatron_stage_that_gains_an_unknown_parameter, args=(rank, str(tmp_path / "store"),
+                                                                                            outcomes))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        seen = sorted(outcomes.get(timeout=240) for _ in range(4))
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    for rank, attempt, outcome, seconds in seen:
+        assert outcome.startswith("ConfigError: "), (rank, attempt, outcome)
+        assert "megatron parameter decoder.layers.0.self_attention.adapter (4,): refit does not know" in outcome
+        assert seconds < 20, (rank, attempt, seconds)  # refused at once on both, not at the group's timeout

@@ -54,6 +54,7 @@ class MegatronLayout:
         # Context-parallel ranks hold the same weights too: counted in, or every copy would send them.
         self._first_replica = {False: parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
                                True: parallel_state.get_expert_data_parallel_rank() == 0}
+        self._unreadable: ConfigError | None = None  # why the model's current parameters could not be read
         self._read_current_parameters()
 
     def _read_current_parameters(self) -> None:
@@ -61,11 +62,12 @@ class MegatronLayout:
 
         Why: a parameter can be replaced outright (`load_state_dict(..., assign=True)`), and the model computes with
         the new one; a layout that kept the objects it first read would send the old weights, silently."""
-        self._params = dict(self.model.named_parameters())
-        self._sends: dict[str, tuple[torch.Tensor, Slot]] = {}
+        params = dict(self.model.named_parameters())
+        sends: dict[str, tuple[torch.Tensor, Slot]] = {}
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
             if slot.sends and self._first_replica[".mlp.experts." in f".{name}"]:
-                self._sends[slot.target] = (param, slot)
+                sends[slot.target] = (param, slot)
+        self._params, self._sends = params, sends  # only once all are placed: a failure leaves them to be read again
 
     def finish_parameter_updates(self) -> None:
         """Finish the distributed optimizer's all-gather of the updated parameters, which `overlap_param_gather`
@@ -75,9 +77,13 @@ class MegatronLayout:
         Then the parameters are read as the model holds them now (`_read_current_parameters`)."""
         for wrapper in self._pending_gathers:
             wrapper.start_param_sync(force_sync=True)
+        self._unreadable = None
         current = dict(self.model.named_parameters())
         if current.keys() != self._params.keys() or any(param is not self._params[name] for name, param in current.items()):
-            self._read_current_parameters()
+            try:
+                self._read_current_parameters()
+            except ConfigError as error:  # raised in the preflight, where every rank refuses with it (`check_finite`)
+                self._unreadable = error
 
     def metadata(self) -> list[TensorMeta]:
         return [TensorMeta(slot.target, slot.shape, self._dtype(param), _MODULE_CLASSES[slot.kind])
@@ -123,7 +129,12 @@ class MegatronLayout:
 
     def check_finite(self, plan: TransferPlan, rank: int) -> None:
         """Each parameter once, whole; one that holds NaN or Inf is searched for the planned tensors that hold it (a
-        fused `linear_qkv` holds q, k and v), and refused only if one does: its vocabulary padding is never sent."""
+        fused `linear_qkv` holds q, k and v), and refused only if one does: its vocabulary padding is never sent.
+
+        First refuses a model whose parameters changed into ones the mapping cannot place since the layout was made:
+        raised as the stream starts, on this rank alone, it would leave the others waiting in a collective."""
+        if self._unreadable is not None:
+            raise self._unreadable
         held: dict[int, tuple[torch.Tensor, list[tuple[str, Slot]]]] = {}
         for planned in plan.tensors:
             if planned.source in self._sends:
