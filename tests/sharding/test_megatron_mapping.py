@@ -225,3 +225,16 @@ def test_megatron_core_is_imported_only_by_a_layout_or_a_rank_that_uses_it():
             "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_ranks_virtual_pipeline_chunks_are_refused_naming_virtual_pipeline_parallelism():
+    """Found by review: Megatron builds a list of model chunks per rank under virtual pipeline parallelism, and
+    `megatron_source` refused it as "list is not a megatron-core GPTModel ... it has no decoder", naming neither the
+    chunks nor the setting."""
+    from refit.sharding.megatron.layout import unwrap
+
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    for model in (chunks, torch.nn.ModuleList(chunks)):
+        with pytest.raises(ConfigError, match=r"not a list of 2 model chunks: refit does not support virtual pipeline "
+                                              r"parallelism \(virtual_pipeline_model_parallel_size\)"):
+            unwrap(model)

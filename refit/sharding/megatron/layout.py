@@ -165,6 +165,9 @@ class MegatronLayout:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The `GPTModel` inside Megatron's wrappers (DistributedDataParallel, Float16Module: each keeps it as `.module`)."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):  # what Megatron builds for a rank's virtual stages
+        raise ConfigError(f"megatron_source takes one GPTModel (or a wrapper of one), not a list of {len(model)} model "
+                          "chunks: refit does not support virtual pipeline parallelism (virtual_pipeline_model_parallel_size)")
     while not hasattr(model, "decoder") and hasattr(model, "module"):
         model = model.module
     if not hasattr(model, "decoder") or not hasattr(model, "config"):
