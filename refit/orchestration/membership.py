@@ -167,8 +167,24 @@ def check_same_model(infos: list[tuple[str, RolloutModelInfo]]) -> None:
         if info != first:
             raise ConfigError(
                 f"{who} runs a differently configured model than {first_who} "
-                "(quantization_config or tie_word_embeddings differ); use one Syncer per model"
+                f"({', '.join(_differences(first, info))}); use one Syncer per model"
             )
+
+
+def _differences(one: RolloutModelInfo, other: RolloutModelInfo, model: str = "") -> list[str]:
+    """What two unequal model infos differ in, named as a user configures it (a draft's as the draft model's)."""
+    if (one.draft is None) != (other.draft is None):
+        return ["a speculative draft model: one has one, the other none"]
+    differ = [field for field in ("quantization_config", "tie_word_embeddings", "vocab_size", "mtp_prefixes")
+              if getattr(one, field) != getattr(other, field)]
+    if one.weights != other.weights:
+        names = {w.name: w for w in one.weights or ()}, {w.name: w for w in other.weights or ()}
+        odd = sorted(n for n in {*names[0], *names[1]} if names[0].get(n) != names[1].get(n))
+        differ.append(f"expected weights, e.g. {', '.join(odd[:3])}" if odd else "expected weights")
+    differ = [model + field for field in differ]
+    if one.draft is not None and other.draft is not None and one.draft != other.draft:
+        differ += _differences(one.draft, other.draft, "the draft model's ")
+    return differ
 
 
 def _class_name(cls: Any) -> str:

@@ -248,3 +248,35 @@ def test_a_syncer_leaving_its_collective_group_names_it_to_members_that_take_the
     moved_on, old = Scoped("another Syncer's"), Unscoped()
     lifecycle.disconnect([("rollout 0", moved_on), ("rollout 1", old)])
     assert (trainer.group, moved_on.group, old.left) == (None, "another Syncer's", True)
+
+
+def test_a_fleet_of_replicas_that_differ_in_their_draft_or_weights_is_refused_naming_the_difference():
+    """Found by attack: the refusal said "quantization_config or tie_word_embeddings differ" whatever differed, so a
+    replica with a speculative draft beside one without (or with another draft) was refused for a reason it did not
+    have."""
+    from refit.plan.expected_weights import ExpectedWeight
+    from refit.plan.transfer_plan import RolloutModelInfo
+
+    draft = RolloutModelInfo(None, True, (ExpectedWeight("model.embed_tokens.weight", (512, 64), False),))
+
+    class WithDraft(FakeReplica):
+        def __init__(self, names, draft_info):
+            super().__init__(names)
+            self.draft_info = draft_info
+
+        def describe(self):
+            return super().describe().with_draft(self.draft_info)
+
+    trainer, replicas = setup(1)
+    syncer = Syncer(trainer, replicas, CONFIG)
+    syncer._describe_rollouts()
+    with pytest.raises(ConfigError, match=r"rollout 1 runs a differently configured model than the fleet's rollout "
+                                          r"model \(a speculative draft model: one has one, the other none\)"):
+        syncer.add_replica(WithDraft(expected_names(trainer.model), draft))
+
+    trainer, replicas = setup(0)
+    replicas = [WithDraft(expected_names(trainer.model), draft),
+                WithDraft(expected_names(trainer.model), dataclasses.replace(draft, tie_word_embeddings=False))]
+    with pytest.raises(ConfigError, match=r"rollout 1 runs a differently configured model than rollout 0 "
+                                          r"\(the draft model's tie_word_embeddings\)"):
+        Syncer(trainer, replicas, CONFIG).plan()
