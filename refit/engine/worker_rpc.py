@@ -151,7 +151,14 @@ class RefitWorkerExtension:
     def _refit(self) -> RefitTransferBackend:
         from refit.engine.transfer_backend import backend_of  # imports vLLM, which a worker has
 
-        return backend_of(self)
+        backend = backend_of(self)
+        if backend.draft is None:
+            # Attached on any call, not only as an update opens: the draft's scales are listed before the first sync.
+            runner = self.model_runner
+            draft = runner.get_draft_model() if hasattr(runner, "get_draft_model") else None
+            spec = getattr(self, "speculative_config", None)
+            backend.attach_draft(draft, getattr(spec, "draft_model_config", None))
+        return backend
 
     def refit_call(self, payload: str) -> str:
         """One of `SERVER_METHODS` on this worker, called through a server's `/collective_rpc` (see the module docstring).
@@ -222,12 +229,9 @@ class RefitWorkerExtension:
 
     def refit_start_update(self, plan: dict[str, Any] | None, transport: str, keep_base: bool = False) -> None:
         """Open an update (vLLM's `start_weight_update`, which calls the backend's) with the engine's draft model
-        attached, so that `draft.` tensors load into it; over `collective` or `ipc`, with the `plan` of what arrives."""
-        backend = self._refit()
-        runner = self.model_runner
-        draft = runner.get_draft_model() if hasattr(runner, "get_draft_model") else None
-        spec = getattr(self, "speculative_config", None)
-        backend.attach_draft(draft, getattr(spec, "draft_model_config", None))
+        attached (`_refit`), so that `draft.` tensors load into it; over `collective` or `ipc`, with the `plan` of
+        what arrives."""
+        self._refit()
         self.start_weight_update()
         if plan is not None:
             self.refit_expect_plan(plan, transport, keep_base)

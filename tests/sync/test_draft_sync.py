@@ -56,6 +56,11 @@ def test_target_and_draft_sync_in_one_version_a_draft_left_behind_is_flagged_and
 def test_a_trainer_without_a_draft_leaves_the_replicas_draft_alone(actors_factory):
     trainer = actors_factory.trainer(model_dir(False, "bf16"))
     replica = actors_factory.rollout(FP8, node=1, draft_model=str(FP8))
+    # Found by attack: the draft's scales were listed only once a sync had begun an update, so before the first
+    # one the provenance table left the draft out.
+    records = ray.get(replica.scale_records.remote(), timeout=120)
+    assert {r.source for r in records if r.module.startswith("draft.") and r.kind == "weight"} == {
+        refit.ScaleSource.CHECKPOINT}
     before = run_in(replica, draft_state)
     report = refit.sync(trainer, [replica])
     assert run_in(replica, draft_state) == before
