@@ -19,7 +19,7 @@ import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -318,8 +318,13 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
     drafts = [m for m in sources if is_draft(m.name)]
     if drafts and draft_info is not None and config.draft is Draft.SYNC:
         sent_as = {m.name.removeprefix(DRAFT_PREFIX): m.name for m in drafts}  # a draft's name -> the trainer's
+
+        def trainer_name(name: str) -> str:
+            # The target has the same names: refusals name a draft tensor as the trainer does (or should) send it.
+            return sent_as.get(name) or (name if mtp and name.startswith(mtp) else DRAFT_PREFIX + name)
+
         planned, draft_copies = _planned([m.renamed(lambda name: name.removeprefix(DRAFT_PREFIX)) for m in drafts],
-                                         draft_info, config, model="the draft")
+                                         draft_info, config, model="the draft", named=trainer_name)
         ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=sent_as.get(t.source, DRAFT_PREFIX + t.source))
                     for t in planned]
         copies += [(DRAFT_PREFIX + target, DRAFT_PREFIX + of) for target, of in draft_copies]
@@ -327,9 +332,10 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
 
 
 def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig,
-             model: str = "the rollout") -> tuple[list[PlannedTensor], list[tuple[str, str]]]:
+             model: str = "the rollout", named: Callable[[str], str] = str,
+             ) -> tuple[list[PlannedTensor], list[tuple[str, str]]]:
     """One model's planned tensors in layer order, and its copies (`TransferPlan.copies`); `model` names it in
-    what is refused."""
+    what is refused, `named` its tensors."""
     by_name = {m.name: m for m in sources}
     targets = [(m.name, m.alias_of or m.name) for m in sources]
     if rollout_model.tie_word_embeddings and TIED_HEAD not in by_name:
@@ -348,17 +354,18 @@ def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, con
         # the tie, so both names must match), hence its source's form too.
         quantize = quantizer is not None and quantizer.is_quantized(source)
         if quantize and len(meta.shape) != 2:
-            problems.append(f"{target}: the rollout expects it FP8_BLOCK-quantized, but its shape is {meta.shape}, not 2-D")
+            problems.append(f"{named(target)}: {model} expects it FP8_BLOCK-quantized, but its shape is {meta.shape}, "
+                            "not 2-D")
         if quantize and getattr(torch, meta.dtype, None) not in SUPPORTED_DTYPES:
-            problems.append(f"{target}: dtype {meta.dtype} cannot be FP8_BLOCK-quantized")
-        elif not quantize and (problem := wire_dtype_problem(target, meta.dtype)):
+            problems.append(f"{named(target)}: dtype {meta.dtype} cannot be FP8_BLOCK-quantized")
+        elif not quantize and (problem := wire_dtype_problem(named(target), meta.dtype)):
             problems.append(problem)
         block = quantizer.scheme.block if quantize else None
         planned[target] = PlannedTensor(target, source, meta.shape, meta.dtype, block)
     if problems:
         raise InvalidTensorError(f"cannot plan the transfer into {model}:\n  " + "\n  ".join(problems))
     if config.check_against_rollout and rollout_model.weights is not None:
-        _check_against_rollout(list(planned.values()), rollout_model, model)
+        _check_against_rollout(list(planned.values()), rollout_model, model, named)
     ordered = [planned[name] for name in _layer_order(list(planned))]
     # Targets read from one source carry the same bytes: the first in layer order travels, the rest are copies.
     sent: dict[str, PlannedTensor] = {}
@@ -367,7 +374,8 @@ def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, con
     return [t for t in ordered if t.target not in copied], copies
 
 
-def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutModelInfo, model: str) -> None:
+def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutModelInfo, model: str,
+                           named: Callable[[str], str]) -> None:
     """Every target is a weight of the rollout's model in the form and shape it expects, and every weight
     it expects is covered; all mismatches reported together, before any byte moves."""
     expected = {w.name: w for w in rollout_model.weights}
@@ -377,19 +385,19 @@ def _check_against_rollout(planned: list[PlannedTensor], rollout_model: RolloutM
         if weight is None:
             tied_head = t.target == TIED_HEAD and rollout_model.tie_word_embeddings
             if tied_head and t.source == TIED_HEAD:
-                problems.append(f"{t.target}: a tensor of the trainer's own (its model does not tie it), but {model}'s "
+                problems.append(f"{named(t.target)}: a tensor of the trainer's own (its model does not tie it), but {model}'s "
                                 "model ties its output head to its input embeddings (tie_word_embeddings): it would serve "
                                 "the embedding as its head, not the trainer's head")
             elif not tied_head and not may_stream(t.target):
-                problems.append(f"{t.target}: the rollout's model has no such weight (renamed, or extra in the trainer?)")
+                problems.append(f"{named(t.target)}: {model}'s model has no such weight (renamed, or extra in the trainer?)")
         elif weight.shape != t.shape:
-            problems.append(f"{t.target}: shape {t.shape} from the trainer, {weight.shape} in the rollout's model")
+            problems.append(f"{named(t.target)}: shape {t.shape} from the trainer, {weight.shape} in {model}'s model")
         elif weight.fp8_block != t.is_quantized:
             want, got = ("FP8_BLOCK", t.dtype) if weight.fp8_block else (t.dtype, "FP8_BLOCK")
-            problems.append(f"{t.target}: the rollout expects it {want}, the plan would send {got}")
+            problems.append(f"{named(t.target)}: {model} expects it {want}, the plan would send {got}")
     covered = {t.target for t in planned}
     problems += [
-        f"{name}: the rollout's model has it, the trainer sends nothing (missing in the trainer?)"
+        f"{named(name)}: {model}'s model has it, the trainer sends nothing (missing in the trainer?)"
         for name in expected if name not in covered
     ]
     if problems:

@@ -59,7 +59,7 @@ def test_mtp_layers_are_planned_after_the_target_as_draft_tensors_read_from_thei
 def test_a_trainer_without_an_mtp_tensor_is_refused_naming_it_in_the_draft():
     info = RolloutModelInfo.from_checkpoint(MIMO, from_files=True, mtp=True)
     sources = [m for m in _checkpoint_sources() if m.name != "model.mtp_layers.0.input_proj.weight"]
-    with pytest.raises(PlanMismatchError, match=r"draft's model[\s\S]*model.mtp_layers.0.input_proj.weight: the rollout's"):
+    with pytest.raises(PlanMismatchError, match=r"draft's model[\s\S]*model.mtp_layers.0.input_proj.weight: the draft's model has it"):
         make_plan(sources, info, SyncConfig())
 
 
