@@ -89,7 +89,9 @@ class SyncConfig:
     check_against_rollout: bool = True
     """Check the plan against the rollout's own weights (names, shapes, FP8 forms) before any byte
     moves. Turn it off only for a model whose trainer names differ from its checkpoint's and which
-    vLLM maps itself; the engine's check that every weight was loaded still applies."""
+    vLLM maps itself; the engine's check that every weight was loaded still applies, but nothing then
+    checks a weight's shape against the engine's parameter, and vLLM's loaders may cut a larger one to
+    fit (a row-parallel loader narrows its columns) and serve it."""
 
     verify: Verify = Verify.CHECKSUMS
     """`"checksums"` (default: every entry's bytes carry a keyed integrity tag, checked before they are loaded;
