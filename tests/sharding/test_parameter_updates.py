@@ -248,6 +248,58 @@ def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_wa
         torch.distributed.destroy_process_group()
 
 
+def test_a_megatron_routers_expert_bias_is_sent_in_its_own_dtype_and_an_unknown_saved_buffer_is_refused_by_name():
+    """Found by review: the layout read parameters only, so the router's `expert_bias` (a saved fp32 buffer that
+    megatron-core trains with `moe_router_enable_expert_bias` and that picks the experts) was never sent and never
+    refused: the rollouts routed without it. megatron-core makes that buffer on CUDA only, so it is registered here as
+    megatron-core registers it, on a real `GPTModel` (the Qwen3-MoE fixture's shape), a world of one over gloo."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
+    from fixtures import model_dir
+    from refit.errors import ConfigError
+    from refit.plan import loadable_tensors
+    from refit.provenance.tracker import checkpoint_tensor_names
+    from refit.sharding.megatron import megatron_source
+
+    _quiet_megatron_imports()
+    checkpoint = model_dir(False, "bf16", arch="qwen3_moe")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1)
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel())
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.02)
+        biases = {}
+        for i, layer in enumerate(model.decoder.layers):
+            router = layer.mlp.router
+            del router.local_tokens_per_expert, router.expert_bias  # None where the expert bias is off
+            router.register_buffer("local_tokens_per_expert", torch.zeros(config["num_local_experts"]), persistent=False)
+            router.register_buffer("expert_bias", torch.randn(config["num_local_experts"], dtype=torch.float32))
+            biases[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = router.expert_bias
+        source = megatron_source(model, vocab_size=config["vocab_size"])
+        metas = {m.name: m for m in source.metadata()}
+        assert {name: (metas[name].shape, metas[name].dtype) for name in biases} == {
+            name: ((config["num_local_experts"],), "float32") for name in biases}
+        assert not any("local_tokens_per_expert" in name for name in metas)
+        plan = make_plan(list(metas.values()), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
+        sent = {name: value for part in source.stream(plan) for name, value in loadable_tensors(plan, part)}
+        assert all(torch.equal(sent[name], bias) for name, bias in biases.items())
+
+        model.decoder.layers[0].mlp.register_buffer("token_counts", torch.zeros(4))
+        with pytest.raises(ConfigError, match=r"decoder\.layers\.0\.mlp\.token_counts \(4,\): refit does not know"):
+            megatron_source(model, vocab_size=config["vocab_size"])
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
 def _megatron_stage_that_gains_an_unknown_parameter(rank: int, store_path: str, outcomes) -> None:
     """Pipeline stage `rank` of 2 (gloo, 30 s group timeout) of the Qwen3 fixture; after its source is made, stage 1's
     layer gains a parameter the mapping cannot place (as an adapter a job adds would be). Streams twice."""

@@ -23,10 +23,11 @@ from refit.sharding.layout import ABSENT
 from refit.sharding.megatron.mapping import CheckpointNames, MegatronDims, RankPlace, Slot, slots_of
 from refit.sharding.routes import RowRange
 
-__all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "unwrap"]
+__all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "state_tensors", "unwrap"]
 
 # What the checkpoint's model calls each kind of module (the FP8 scheme's targets match these class names).
-_MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module"), "embedding": ("Embedding", "Module")}
+_MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module"), "embedding": ("Embedding", "Module"),
+                   "buffer": ("Module",)}
 
 
 class MegatronLayout:
@@ -62,7 +63,7 @@ class MegatronLayout:
 
         Why: a parameter can be replaced outright (`load_state_dict(..., assign=True)`), and the model computes with
         the new one; a layout that kept the objects it first read would send the old weights, silently."""
-        params = dict(self.model.named_parameters())
+        params = state_tensors(self.model)
         sends: dict[str, tuple[torch.Tensor, Slot]] = {}
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
             if slot.sends and self._first_replica[".mlp.experts." in f".{name}"]:
@@ -78,7 +79,7 @@ class MegatronLayout:
         for wrapper in self._pending_gathers:
             wrapper.start_param_sync(force_sync=True)
         self._unreadable = None
-        current = dict(self.model.named_parameters())
+        current = state_tensors(self.model)
         if current.keys() != self._params.keys() or any(param is not self._params[name] for name, param in current.items()):
             try:
                 self._read_current_parameters()
@@ -157,7 +158,8 @@ class MegatronLayout:
         return part.to(self._wire(param))
 
     def _wire(self, param: torch.Tensor) -> torch.dtype:
-        return self.wire_dtype if param.is_floating_point() else param.dtype
+        # A buffer keeps its dtype: `wire_dtype` is for parameters (a router's fp32 expert bias picks the experts).
+        return self.wire_dtype if param.is_floating_point() and isinstance(param, torch.nn.Parameter) else param.dtype
 
     def _dtype(self, param: torch.Tensor) -> str:
         return str(self._wire(param)).removeprefix("torch.")
@@ -206,10 +208,24 @@ def megatron_dims(model: torch.nn.Module, vocab_size: int, names: CheckpointName
 
 
 def megatron_slots(model: torch.nn.Module, dims: MegatronDims, place: RankPlace) -> list[tuple[str, torch.Tensor, Slot]]:
-    """(megatron name, parameter, slot) for every part of a checkpoint tensor this rank's model holds."""
+    """(megatron name, parameter or saved buffer, slot) for every part of a checkpoint tensor this rank's model holds."""
     layers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     found = []
-    for name, param in model.named_parameters():
+    for name, param in state_tensors(model).items():
         for slot in slots_of(name, tuple(param.shape), dims, place, layers.__getitem__):
             found.append((name, param, slot))
     return found
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and the buffers it saves (`state_dict`'s tensors), by name.
+
+    Why buffers: a trained buffer steers the forward like a weight (the router's `expert_bias` with
+    `moe_router_enable_expert_bias`, which picks the experts); left out, the rollouts would route without it
+    and nothing would say so. A saved buffer the mapping cannot place is refused by name like a parameter."""
+    tensors = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():  # noqa: SLF001 - torch keeps which are saved only here
+            if buffer is not None and name not in module._non_persistent_buffers_set:  # noqa: SLF001
+                tensors[f"{module_name}.{name}" if module_name else name] = buffer
+    return tensors

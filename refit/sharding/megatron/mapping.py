@@ -22,7 +22,8 @@ Megatron's layouts covered, per TP rank `r` of `tp` (ETP for experts):
   checkpoint tensors but interleaved locally (one piece per group);
 - `linear_fc1` (gated): the rank's gate rows, then its up rows;
 - `linear_proj`, `linear_fc2`: row-parallel, the rank holds a column range;
-- norms, q/k norms, the router: whole on every rank;
+- norms, q/k norms, the router and its expert bias (a saved buffer): whole
+  on every rank;
 - experts: `local_experts.{j}` (SequentialMLP) and `linear_fc1.weight{j}`
   (TEGroupedMLP) as per-expert linears; the legacy GroupedMLP's
   `weight1`/`weight2` hold every local expert's transposed weights in one
@@ -128,7 +129,7 @@ class Slot:
     stop: int
     pieces: tuple[Piece, ...]
     group: str | None  # "tp" or "etp": the ranks that hold the other parts; None: whole here
-    kind: str  # "linear", "norm" or "embedding": the module class the checkpoint's model gives it
+    kind: str  # "linear", "norm", "embedding" or "buffer": the module class the checkpoint's model gives it
     sends: bool = True  # False: a copy the rank keeps in sync but another parameter sends (a tied output layer)
 
     def views(self, param: torch.Tensor) -> list[torch.Tensor]:
@@ -164,7 +165,7 @@ _NORMS = {
 
 def slots_of(name: str, local_shape: tuple[int, ...], dims: MegatronDims, place: RankPlace,
              global_layer: Callable[[int], int]) -> list[Slot]:
-    """The checkpoint tensors parameter `name` (as `GPTModel.named_parameters` gives it) holds parts of.
+    """The checkpoint tensors parameter (or saved buffer) `name`, as `GPTModel.state_dict` names it, holds parts of.
 
     `global_layer(i)`: the global 0-based number of local decoder layer `i`
     (pipeline stages number their layers from 0). Raises `ConfigError`
@@ -207,6 +208,8 @@ def _slots(name: str, dims: MegatronDims, place: RankPlace, global_layer: Callab
         return [_columns(prefix + "mlp.down_proj.weight", dims.hidden, dims.ffn, place.tp_rank, place.tp_size, "tp")]
     if rest == "mlp.router.weight":
         return [_whole(f"{prefix}{dims.names.moe_block}.gate.weight", (dims.num_experts, dims.hidden), "linear")]
+    if rest == "mlp.router.expert_bias":  # a saved buffer; DeepSeek-V3's and GLM-4.5's checkpoints name it so
+        return [_whole(f"{prefix}{dims.names.moe_block}.gate.e_score_correction_bias", (dims.num_experts,), "buffer")]
     if rest.startswith("mlp.shared_experts."):
         return _shared_expert(prefix + dims.names.shared_expert + ".", rest.removeprefix("mlp.shared_experts."), dims, place)
     return _expert(prefix, rest, dims, place)
