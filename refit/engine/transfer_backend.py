@@ -106,7 +106,7 @@ class DraftModel:
         self.shared = tuple(f"{name}." for name in shared)
         self.reload = LayerwiseReload(model, model_config, owned_elsewhere=shared)
         self.provenance = ScaleProvenanceTracker(model)
-        names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(model_config.model)
+        names = frozenset() if load_format == "dummy" else names_as_loaded(model, checkpoint_tensor_names(model_config.model))
         self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
         self.loaded: set[str] = set()
         self.expected: frozenset[str] = frozenset()
@@ -164,7 +164,8 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         try:
             self.provenance = ScaleProvenanceTracker(model)
             load_format = str(vllm_config.load_config.load_format)
-            names = frozenset() if load_format == "dummy" else checkpoint_tensor_names(vllm_config.model_config.model)
+            names = (frozenset() if load_format == "dummy"
+                     else names_as_loaded(model, checkpoint_tensor_names(vllm_config.model_config.model)))
             self.provenance.record_initial_load(load_format, names, getattr(model, "packed_modules_mapping", {}))
         finally:
             rewrap()
@@ -420,6 +421,21 @@ def _expected_weights(model: torch.nn.Module) -> frozenset[str]:
     them. Buffers: `LayerwiseReload.unfilled`."""
     attention = {name for name, module in model.named_modules() if is_attention_layer(module)}
     return frozenset(name for name, _ in model.named_parameters() if name.rpartition(".")[0] not in attention)
+
+
+def names_as_loaded(model: torch.nn.Module, names: frozenset[str]) -> frozenset[str]:
+    """`names` and, for each KV-cache scale among them, the name vLLM's loader loads it as.
+
+    Why vLLM's own mapper: it alone decides which checkpoint names become which live scale, and a calibrated
+    scale saved under a name refit did not know would otherwise read as a placeholder, which the post-refit
+    stage resets.
+    """
+    quant_config = next((m.quant_config for m in (model, *model.children())
+                         if getattr(m, "quant_config", None) is not None), None)
+    if quant_config is None:  # no KV-cache quant method: vLLM loads no attention scale
+        return names
+    mapper = quant_config.get_cache_scale_mapper()
+    return names | {mapped for name in names if (mapped := mapper.map_name(name)) is not None}
 
 
 def register() -> None:

@@ -89,6 +89,9 @@ class ScaleProvenanceTracker:
         `packed_modules` is the model's `packed_modules_mapping` (e.g.
         `qkv_proj -> [q_proj, k_proj, v_proj]`): a fused module's scale came
         from the checkpoint only if every shard's scale was there.
+        `checkpoint_names` holds each attention scale under the vLLM name
+        the engine's loader maps it to (`self_attn.k_scale`,
+        `self_attn.k_proj.k_scale` ... -> `self_attn.attn.k_scale`).
         """
         self._packed_modules = packed_modules
         for module, scale in self._kinds:
@@ -181,10 +184,10 @@ def is_attention_layer(module: torch.nn.Module) -> bool:
 
 def _checkpoint_names(module: str, scale: str, packed_modules: Mapping[str, list[str]]) -> list[str]:
     parent, _, leaf = module.rpartition(".")
-    if leaf == "attn":
-        # llmcompressor writes `self_attn.k_scale`; vLLM remaps it onto the
-        # `self_attn.attn` layer, so the checkpoint name is the parent's.
-        return [f"{parent}.{scale}"] if parent else [scale]
+    if scale in ATTENTION_SCALES:
+        # Checkpoints name these several ways (llmcompressor `self_attn.k_scale`, ModelOpt `k_proj.k_scale`,
+        # vLLM's own); the caller maps them onto the live layer's name, as vLLM's loader does.
+        return [f"{module}.{scale}"]
     shards = packed_modules.get(leaf, [leaf])
     prefix = f"{parent}." if parent else ""
     return [f"{prefix}{shard}.weight_scale" for shard in shards]

@@ -299,3 +299,40 @@ def test_placeholder_scales_of_a_checkpoint_without_kv_scales_become_defaults(ac
     for key in attention:
         assert after[key].source is ScaleSource.DEFAULT and after[key].version == report.version and after[key].value == 1.0
     assert accuracy(PROMPTS, ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS)).token_ids) == 1.0
+
+
+def renamed_kv_scales(tmp_path: Path, pattern: str) -> Path:
+    """The calibrated checkpoint with its `self_attn.{k,v}_scale` saved under another name vLLM also loads them by."""
+    from safetensors.torch import save_file
+
+    copy = tmp_path / f"fp8_block_kv-{pattern.replace('{s}', 's')}"
+    shutil.copytree(model_dir(True, "fp8_block_kv"), copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]:
+        prefix, _, scale = name.rpartition(".")
+        tensors[f"{prefix}.{pattern.format(s=scale[0])}"] = tensors.pop(name)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+@pytest.mark.parametrize("pattern", ["attn.{s}_scale", "{s}_proj.{s}_scale"], ids=["vllm-names", "modelopt-names"])
+def test_calibrated_scales_under_any_name_vllm_loads_are_recorded_from_the_checkpoint_and_kept(
+        actors_factory, tmp_path, pattern):
+    """vLLM maps `self_attn.attn.k_scale` and `self_attn.k_proj.k_scale` onto the same live scale as
+    `self_attn.k_scale`: a record of "placeholder" for them would let the auto stage reset calibrated scales."""
+    directory = renamed_kv_scales(tmp_path, pattern)
+    stored = load_file(str(model_dir(True, "fp8_block_kv") / "model.safetensors"))
+    trainer = actors_factory.trainer(model_dir(True, "bf16"))
+    rollout = actors_factory.rollout(directory, kv_cache_dtype="fp8_e4m3")
+
+    before = by_key(ray.get(rollout.scale_records.remote()))
+    refit.sync(trainer, rollout)
+    after = by_key(ray.get(rollout.scale_records.remote()))
+
+    for layer in range(2):
+        for scale in ("k_scale", "v_scale"):
+            key = (f"model.layers.{layer}.self_attn.attn", scale)
+            value = stored[f"model.layers.{layer}.self_attn.{scale}"].float().item()
+            assert before[key].value == value  # vLLM loaded it
+            assert before[key].source is ScaleSource.CHECKPOINT, (key, before[key])
+            assert after[key].source is ScaleSource.CHECKPOINT and after[key].value == value, (key, after[key])
