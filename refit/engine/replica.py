@@ -468,11 +468,11 @@ class ReplicaCore:
 
     def _apply_kv_scales(self, policy: KvScalePolicy, calibration_prompts: Sequence[Sequence[int]], version: int) -> list[str]:
         """The post-refit stage; returns the attention scales written ("module.scale")."""
-        measured = None
+        measured, made_valid = None, []
         if policy is KvScalePolicy.RECOMPUTE:
             # The calibration pass itself runs through an FP8 KV cache, which
             # refuses dummy scales: make placeholders valid (1.0) first.
-            self.workers.apply_kv_policy(KvScalePolicy.AUTO, version, None)
+            made_valid = self.workers.apply_kv_policy(KvScalePolicy.AUTO, version, None)
             # The prefix cache holds K/V the old weights made: a cached prompt's blocks would be skipped, unmeasured.
             self.engine.reset_prefix_cache()
             self.workers.start_amax()
@@ -487,7 +487,8 @@ class ReplicaCore:
             measured = self.workers.stop_amax()
         written = self.workers.apply_kv_policy(policy, version, measured)
         self.engine.reset_prefix_cache()
-        return written
+        # Both writes are this version's: a scale only reset (prob_scale, which nothing measures) is a write too.
+        return list(dict.fromkeys([*made_valid, *written]))
 
     def _draft_acceptance(self) -> tuple[float | None, str | None]:
         """The draft model's accepted share of its proposals on the probe prompts, and why it collapsed if it did

@@ -336,3 +336,18 @@ def test_calibrated_scales_under_any_name_vllm_loads_are_recorded_from_the_check
             assert before[key].value == value  # vLLM loaded it
             assert before[key].source is ScaleSource.CHECKPOINT, (key, before[key])
             assert after[key].source is ScaleSource.CHECKPOINT and after[key].value == value, (key, after[key])
+
+
+def test_a_recompute_on_dummy_scales_reports_every_scale_it_wrote(actors_factory):
+    """A recompute first makes placeholders valid (the calibration pass runs through the FP8 KV cache), then writes the
+    measured q/k/v: the report must name both writes, prob_scale's reset included."""
+    trainer = actors_factory.trainer(model_dir(True, "bf16"))
+    rollout = actors_factory.rollout(model_dir(True, "fp8_block"), load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    config = refit.SyncConfig(kv_scales=KvScalePolicy.RECOMPUTE, calibration_prompts=tuple(map(tuple, CALIBRATION)))
+
+    report = refit.sync(trainer, rollout, config)
+
+    records = ray.get(rollout.scale_records.remote(), timeout=60)
+    set_now = {f"{r.module}.{r.scale}" for r in records if r.kind == "attention" and r.version == report.version}
+    assert len(set_now) == 8  # q, k, v (calibrated) and prob (default) of both layers
+    assert sorted(report.replicas[0].kv_scales_written) == sorted(set_now)
