@@ -18,12 +18,13 @@ reads them back as q x scale cancels the sign and is left with a scale
 about 1000x too small: every K and V saturates at 448 x 0.000942 = 0.42
 (the seed saw garbage outputs on a GPU; this mechanism is our reading of
 it, not measured on one). The CPU attention path refuses a negative
-scale outright (`k_scale must be positive for FP8 path`), and refit's own
-check refuses to serve one, so this replica's engine (`SeedBugRollout`
-below) replaces each negative dummy placeholder by its magnitude once it
-has started (through vLLM's `collective_rpc`), and every sync keeps them:
-the same saturation, served. Its provenance still says
-`dummy`: nothing informed those values.
+scale outright (`k_scale must be positive for FP8 path`), and refit
+refuses to serve a dummy load's value under every policy, so this
+replica's engine (`SeedBugRollout` below) replaces each dummy placeholder
+by its magnitude once it has started (through vLLM's `collective_rpc`) and
+records it as a `placeholder`, a value vLLM made and nothing informed,
+which is what upstream vLLM takes it for; every sync keeps them: the same
+saturation, served.
 
 Each round prints the version, the sync's milliseconds by stage, the bytes
 each replica received (on one host `--transport auto` picks `shm`, which
@@ -55,16 +56,19 @@ from fixtures.cluster import QUIET_ENV, joined_cluster, local_cluster
 
 
 def _dummy_scale_magnitudes(worker) -> list[str]:
-    """Runs in the vLLM worker: every negative `dummy` attention scale becomes its magnitude (see the docstring)."""
+    """Runs in the vLLM worker: every `dummy` attention scale becomes its magnitude, recorded as a placeholder, which
+    is what upstream vLLM takes it for (see the docstring)."""
     from refit.engine.transfer_backend import backend_of
+    from refit.provenance import ScaleSource
     from refit.provenance.kv_stage import write_attention_scale
 
     backend = backend_of(worker)
     modules = dict(backend.model.named_modules())
     changed = []
     for r in backend.provenance.records():
-        if r.kind == "attention" and r.source == "dummy" and r.value < 0:
-            write_attention_scale(modules[r.module], r.scale, -r.value)
+        if r.kind == "attention" and r.source == ScaleSource.DUMMY:
+            write_attention_scale(modules[r.module], r.scale, abs(r.value))
+            backend.provenance.record_set(r.module, r.scale, ScaleSource.PLACEHOLDER, None)
             changed.append(f"{r.module}.{r.scale}")
     return changed
 

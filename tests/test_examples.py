@@ -175,7 +175,7 @@ def test_demo_learns_and_the_seed_bug_replica_does_not_serve_the_policy(tmp_path
         assert breached == "passed" and abs(float(rollout) - float(trainer)) <= 0.1, out
         assert scales == [f"8 attention default@v1, 8 weight refit@v{version}"] * 2  # KV placeholders reset once, at v1
     seed_bug_scales = re.findall(r"^  seed-bug scales: (.*); probe (passed|BREACHED)", out, re.MULTILINE)
-    assert [s for s, _ in seed_bug_scales] == [f"8 attention dummy, 8 weight refit@v{v}" for v in range(1, 4)], out
+    assert [s for s, _ in seed_bug_scales] == [f"8 attention placeholder, 8 weight refit@v{v}" for v in range(1, 4)], out
     assert all(probe == "BREACHED" for _, probe in seed_bug_scales), out  # refit's probe sees what the seed bug serves
     final = re.search(r"^reward ([\d.]+) -> ([\d.]+); refit rollouts within ([\d.]+) of the trainer; "
                       r"seed-bug replica accuracy ([\d.]+)$", out, re.MULTILINE)

@@ -13,8 +13,9 @@ Policies:
   batch at the current weights (`AttentionAmaxRecorder`), as the KV cache
   sees them: K after its norm and RoPE.
 - `keep`: write nothing.
-Whatever the policy, a non-positive or non-finite scale left afterwards is
-refused with the names of the layers, so it never reaches a kernel.
+Whatever the policy, a non-positive or non-finite scale left afterwards, or
+one still holding a dummy load's value, is refused with the names of the
+layers, so it never reaches a kernel.
 """
 
 from __future__ import annotations
@@ -119,15 +120,18 @@ def apply_kv_scale_policy(
         write_attention_scale(modules[module], scale, value)
         tracker.record_set(module, scale, source, version)
         written.append(f"{module}.{scale}")
-    invalid = [  # every element: a per-head scale with one bad head is as unservable as a bad scalar
-        f"{r.module}.{r.scale}={first_invalid_scale_value(getattr(modules[r.module], f'_{r.scale}')):.4g} ({r.source})"
-        for r in tracker.records()
-        if r.kind == "attention" and not is_valid_scale(getattr(modules[r.module], f"_{r.scale}"))
-    ]
+    invalid = []
+    for r in tracker.records():
+        live = getattr(modules[r.module], f"_{r.scale}") if r.kind == "attention" else None
+        # Every element: a per-head scale with one bad head is as unservable as a bad scalar. A dummy load's value is
+        # a random draw whose sign depends on the device's generator: never servable, positive or not (`keep`).
+        if live is not None and (r.source is ScaleSource.DUMMY or not is_valid_scale(live)):
+            shown = r.value if is_valid_scale(live) else first_invalid_scale_value(live)
+            invalid.append(f"{r.module}.{r.scale}={shown:.4g} ({r.source})")
     if invalid:
         raise EngineError(
-            f"{len(invalid)} attention scale(s) are not positive and finite after the '{policy}' "
-            f"post-refit stage, refusing to serve with them: {', '.join(invalid[:8])}"
+            f"{len(invalid)} attention scale(s) are not positive and finite, or hold a dummy load's random values, "
+            f"after the '{policy}' post-refit stage, refusing to serve with them: {', '.join(invalid[:8])}"
             + (" ..." if len(invalid) > 8 else "")
             + ". Use kv_scales='auto' or 'recompute', or stream valid scales from the trainer."
         )

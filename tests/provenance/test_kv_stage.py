@@ -103,3 +103,19 @@ def test_a_layer_sharing_another_layers_kv_cache_takes_its_k_and_v_amax():
     measured = recorder.stop()
     assert {scale: measured[("shared", scale)] for scale in ("q_scale", "k_scale", "v_scale")} == {
         "q_scale": 0.5, "k_scale": 2.0, "v_scale": 3.0}
+
+
+@pytest.mark.parametrize("dummy", [0.000751, 1.0], ids=["positive", "one"])
+def test_keep_refuses_a_dummy_loaded_scale_whatever_its_value(dummy):
+    """vLLM's dummy loader draws each scale from a seeded uniform(-1e-3, 1e-3): -0.000942 on this CPU, but the draw
+    depends on the device's generator and the parameter's dtype, and may be positive. Under `keep` a positive draw
+    passed the validity check and was served: the seed bug. A dummy value is never a real one, whatever its sign."""
+    net = model()
+    for scale in ("q_scale", "k_scale", "v_scale"):
+        getattr(net.attn, f"_{scale}").fill_(dummy)
+        setattr(net.attn, f"_{scale}_float", dummy)
+    tracker = ScaleProvenanceTracker(net)
+    tracker.record_initial_load("dummy", frozenset(), {})
+    with pytest.raises(EngineError, match=rf"3 attention scale\(s\).*attn\.q_scale={dummy:.4g} \(dummy\)"):
+        apply_kv_scale_policy(net, tracker, KvScalePolicy.KEEP, version=1)
+    assert apply_kv_scale_policy(net, tracker, KvScalePolicy.AUTO, version=2) == ["attn.q_scale", "attn.k_scale", "attn.v_scale"]
