@@ -62,10 +62,15 @@ class MergedLora:
     """
 
     def __init__(self, model: Any) -> None:
+        self._model = model
+        self._read()
+
+    def _read(self) -> None:
+        """Capture the model as it is now: its active adapter, the base's tensor objects, the adapted layers."""
         from peft.tuners.lora import Embedding, Linear
         from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-        self._model = model
+        model = self._model
         self._adapter = _active_adapter(model)
         base = model.get_base_model()
         self._view = CheckpointView(base)
@@ -96,6 +101,10 @@ class MergedLora:
         return list(self._metas)
 
     def tensor(self, name: str) -> torch.Tensor:
+        # The view reads the tensor objects it captured: a base parameter replaced since (`load_state_dict(...,
+        # assign=True)`), or another adapter made active, would otherwise be sent as it was then.
+        if not self._view.reads_current(self._source[name]) or _active_adapter(self._model) != self._adapter:
+            self._read()
         source = self._source[name]
         value = self._view.tensor(source)
         module, _, param = source.rpartition(_BASE_LAYER)

@@ -108,6 +108,14 @@ class CheckpointView:
         return now.keys() != self._tensors.keys() or any(
             now[name] is not t or (t.dtype, t.shape) != self._described[name] for name, t in self._tensors.items())
 
+    def reads_current(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is read from the object the model holds now (`outdated` for one tensor,
+        without walking the whole model)."""
+        source = self._sources[name]
+        owner, _, attribute = source.rpartition(".")
+        module = self._model.get_submodule(owner) if owner else self._model
+        return getattr(module, attribute, None) is self._tensors[source]
+
     def tensor(self, name: str) -> torch.Tensor:
         """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""
         param = self._tensors[self._sources[name]]

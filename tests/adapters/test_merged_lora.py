@@ -68,3 +68,21 @@ def test_a_module_another_adapter_trains_whole_is_sent_as_the_frozen_original_un
     assert "lm_head.weight" in [m.name for m in merged.metadata()]
     assert [m.name for m in merged.metadata()] == [m.name for m in expected.metadata()]
     assert all(torch.equal(merged.tensor(m.name), expected.tensor(m.name)) for m in expected.metadata())
+
+
+def test_what_the_model_holds_now_is_merged_after_its_base_is_replaced_or_another_adapter_made_active():
+    """Found: the view read the base's tensor objects captured when it was made, so after `load_state_dict(...,
+    assign=True)` merge mode sent the replaced base; and it kept merging the adapter active then."""
+    from peft import LoraConfig
+
+    model = peft_model()
+    merged = MergedLora(model)
+    replaced = {name: value + 1 for name, value in model.state_dict().items() if ".lora_" not in name}
+    model.load_state_dict(replaced, strict=False, assign=True)
+    expected = CheckpointView(copy.deepcopy(model).merge_and_unload())
+    assert [m.name for m in expected.metadata() if not torch.equal(merged.tensor(m.name), expected.tensor(m.name))] == []
+
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["k_proj"], init_lora_weights=False))
+    model.set_adapter("other")
+    expected = CheckpointView(copy.deepcopy(model).merge_and_unload())
+    assert [m.name for m in expected.metadata() if not torch.equal(merged.tensor(m.name), expected.tensor(m.name))] == []
