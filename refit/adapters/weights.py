@@ -75,11 +75,21 @@ class AdapterWeights:
     def meta(self, *, digest: bool = True) -> AdapterMeta:
         """Its description without the bytes; `digest=False` leaves the digest out (a replica checks the shapes,
         and its workers hash what they install)."""
-        dtypes = {str(t.dtype).removeprefix("torch.") for t in self.tensors.values()}
-        if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
-            raise InvalidTensorError(f"adapter {self.name!r}: its tensors must share one of {sorted(_DTYPES)}, not {sorted(dtypes)}")
+        if not self.tensors:
+            raise InvalidTensorError(f"adapter {self.name!r} has no tensors")
+        # Names first: what a peft state dict holds beside LoRA weights (a modules_to_save copy, the base of an
+        # adapted embedding or lm_head) is in the base's dtype, and a dtype mismatch alone would not say why.
+        for name in sorted(self.tensors):
+            lora_module(name)
+        by_dtype: dict[str, list[str]] = {}
+        for name, tensor in sorted(self.tensors.items()):
+            by_dtype.setdefault(str(tensor.dtype).removeprefix("torch."), []).append(name)
+        if len(by_dtype) != 1 or not by_dtype.keys() <= set(_DTYPES):
+            held = "; ".join(f"{dtype}: {names[:2]}" + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+                             for dtype, names in sorted(by_dtype.items(), key=lambda item: len(item[1])))
+            raise InvalidTensorError(f"adapter {self.name!r}: its tensors must share one of {sorted(_DTYPES)}, not {held}")
         return AdapterMeta(self.name, dict(self.config), {n: tuple(t.shape) for n, t in self.tensors.items()},
-                           dtypes.pop(), self.digest() if digest else None)
+                           next(iter(by_dtype)), self.digest() if digest else None)
 
     def digest(self) -> str:
         sha = hashlib.sha256()

@@ -93,3 +93,18 @@ def test_a_scaling_that_is_no_finite_number_is_refused_before_anything_is_sent(s
 
 def test_lora_module_names_the_module_and_the_half():
     assert lora_module(PREFIX + "self_attn.q_proj.lora_B.weight") == ("model.layers.0.self_attn.q_proj", "B")
+
+
+def test_what_a_peft_state_dict_holds_beside_lora_weights_or_mixed_dtypes_are_refused_naming_the_tensor():
+    """Found: modules_to_save, or LoRA on lm_head or the embedding, put a base-dtype tensor in peft's state dict; the
+    source refused it with "must share one of [...], not ['bfloat16', 'float32']", naming neither tensor nor module."""
+    good = adapter()
+    lm_head = torch.zeros(8, 4, dtype=torch.bfloat16)
+    saved = AdapterWeights("policy", good.config, {**good.tensors, "base_model.model.lm_head.weight": lm_head})
+    with pytest.raises(InvalidTensorError, match=r"'base_model\.model\.lm_head\.weight' is not a LoRA weight"):
+        saved.meta()
+    half = adapter(**{"mlp__down_proj.lora_B.weight": torch.zeros(128, 4, dtype=torch.bfloat16)})
+    with pytest.raises(InvalidTensorError, match=r"bfloat16: \['base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_B\.weight'\]"):
+        half.meta()
+    with pytest.raises(InvalidTensorError, match="adapter 'policy' has no tensors"):
+        AdapterWeights("policy", good.config, {}).meta()
