@@ -20,7 +20,8 @@ Runs in each vLLM worker (imports vLLM); `RefitWorkerExtension` calls it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from refit.adapters.weights import AdapterWeights, check_values, lora_module
 from refit.errors import ConfigError, InvalidTensorError
 
-__all__ = ["install_adapter", "lora_rank_of", "remove_adapter", "unwrap_lora_layers"]
+__all__ = ["adapters_kept", "install_adapter", "lora_rank_of", "remove_adapter", "unwrap_lora_layers"]
 
 def lora_rank_of(vllm_config: Any) -> int | None:
     """The engine's `max_lora_rank`, or None if it serves no LoRA."""
@@ -99,6 +100,31 @@ def install_adapter(worker: Any, lora_id: int, plain: dict[str, Any]) -> str:
     adapter_manager.add_adapter(lora)
     adapter_manager.pin_adapter(lora_id)
     return adapter.digest()
+
+
+@contextmanager
+def adapters_kept(worker: Any) -> Iterator[None]:
+    """Register and pin again, after the block, the adapters refit installed (those pinned) that it dropped.
+
+    Why: vLLM's worker, finishing an update of the base, drops every adapter (`reset_lora_state`). One loaded
+    from a directory is read again by the next request naming it; refit's were installed from memory and name
+    no directory, so every request on the adapter served would fail ("No adapter found") until the next adapter
+    sync. An adapter's weights do not depend on the base's, so the same `LoRAModel`s go back.
+    """
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None:
+        yield
+        return
+    adapter_manager = manager._adapter_manager
+    pinned = set(adapter_manager._registered_adapters.pinned_items)
+    kept = [lora for lora_id, lora in adapter_manager.list_adapters().items() if lora_id in pinned]
+    try:
+        yield
+    finally:
+        for lora in kept:
+            if adapter_manager.get_adapter(lora.id) is None:
+                adapter_manager.add_adapter(lora)
+                adapter_manager.pin_adapter(lora.id)
 
 
 def remove_adapter(worker: Any, lora_id: int) -> bool:

@@ -108,7 +108,7 @@ class WorkerCalls:
 
     def finish_update(self) -> None:
         """Refuse an incomplete update (the reload left open for `abandon_update`), else finalize it."""
-        self._call("finish_weight_update")
+        self._call("refit_finish_update")
 
     def abandon_update(self) -> None:
         """Close a failed update: layers that received nothing get their old tensors back."""
@@ -220,6 +220,13 @@ class RefitWorkerExtension:
         finally:
             self._weight_update_active = False  # the worker's session flag (vLLM 0.32 Worker)
 
+    def refit_finish_update(self) -> None:
+        """vLLM's `finish_weight_update`, keeping the LoRA adapters refit installed (`adapters_kept` says why)."""
+        from refit.engine.lora import adapters_kept  # imports vLLM, which a worker has
+
+        with adapters_kept(self):
+            self.finish_weight_update()
+
     def refit_join_group(self, rendezvous: list, member_offset: int) -> None:
         """Join the sync's collective group as member `member_offset` + this worker's rank in its engine."""
         self._refit().join_group(Rendezvous.from_plain(rendezvous), member_offset + self.rank)
@@ -299,9 +306,9 @@ _PROCESS_STARTED = time.time()  # when this module was first imported in this pr
 
 SERVER_METHODS = frozenset({
     # vLLM's own worker methods, which call refit's weight-transfer backend (WorkerCalls)
-    "update_weights", "finish_weight_update",
+    "update_weights",
     # refit's (RefitWorkerExtension), each one WorkerCalls or the server adapter calls
-    "refit_engine_facts", "refit_boot_id", "refit_start_update", "refit_base_digest", "refit_drop_base",
+    "refit_engine_facts", "refit_boot_id", "refit_start_update", "refit_finish_update", "refit_base_digest", "refit_drop_base",
     "refit_streamed", "refit_abandon_update", "refit_apply_kv_policy", "refit_start_amax", "refit_stop_amax",
     "refit_join_group", "refit_leave_group", "refit_scale_records",
 })

@@ -95,7 +95,7 @@ def test_an_update_touches_its_engine_in_one_order_and_serves_its_version():
     assert core.status().phase is Phase.SERVING and core.status().served_version == version
     assert finished.kv_scales_written == ("model.layers.0.self_attn.attn.k_scale",)
     assert engine.calls == (["hold_requests", "pause", "refit_start_update"] + ["update_weights"] * len(buckets)
-                            + ["refit_streamed", "finish_weight_update", "resume", "refit_apply_kv_policy",
+                            + ["refit_streamed", "refit_finish_update", "resume", "refit_apply_kv_policy",
                                "reset_prefix_cache", "mark_version", "release_requests"])
     assert core.last_update()["buckets"] == len(buckets) and core.last_update()["outcome"] == "served"
 

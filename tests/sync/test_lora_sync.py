@@ -132,3 +132,19 @@ def test_merge_mode_syncs_the_base_with_the_adapter_merged_in_as_peft_merges_it(
     with pytest.raises(refit.ConfigError, match="serves no LoRA adapters"):
         refit.Syncer(trainer, [replica]).sync_adapter()
 
+
+
+
+def test_a_weight_sync_keeps_the_adapter_a_lora_replica_serves(actors_factory):
+    """Found: vLLM drops every LoRA adapter when a weight update finishes; refit's, installed from memory, name no
+    directory to be read again from, so after any weight sync (a replica added, say) every request on the served
+    adapter failed (LoRAAdapterNotFoundError) until the next adapter sync."""
+    trainer = actors_factory.trainer(BF16, lora=LORA)
+    replica = actors_factory.rollout(FP8, node=1, lora_rank=8)
+    syncer = refit.Syncer(trainer, [replica])
+    syncer.sync_adapter()
+    served = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS))
+    syncer.sync()  # the base again
+    after = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS))
+    assert after.adapter == served.adapter and after.logprobs == served.logprobs
+    assert syncer.sync_adapter().version == 2
