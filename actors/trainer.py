@@ -76,7 +76,9 @@ class TrainerActor:
 
     def _produce(self, plan: TransferPlan) -> Iterator[WireBucket]:
         # In checkpoint form: fused MoE experts as the per-expert tensors the rollout loads.
-        policy = self._policy_view().tensor
+        view = self._policy_view()
+        # A rollout that serves LoRA applies the adapter itself: merged into its base too, it would apply it twice.
+        policy = view.unmerged if isinstance(view, MergedLora) and plan.lora_served else view.tensor
         draft = None if self.draft is None else CheckpointView(self.draft).tensor
 
         def tensor(name: str) -> torch.Tensor:

@@ -58,7 +58,8 @@ class MergedLora:
     whole (`modules_to_save`) sent in place of the frozen original. What this
     class cannot merge (LoRA on layers other than Linear and Embedding,
     trainable tokens) is refused by name when it is made: sending the base
-    unmerged would serve a model the trainer never trained.
+    unmerged would serve a model the trainer never trained. `unmerged(name)`
+    is the base alone, for rollouts that apply the adapter themselves.
     """
 
     def __init__(self, model: Any) -> None:
@@ -101,11 +102,7 @@ class MergedLora:
         return list(self._metas)
 
     def tensor(self, name: str) -> torch.Tensor:
-        # The view reads the tensor objects it captured: a base parameter replaced since (`load_state_dict(...,
-        # assign=True)`), or another adapter made active, would otherwise be sent as it was then.
-        if not self._view.reads_current(self._source[name]) or _active_adapter(self._model) != self._adapter:
-            self._read()
-        source = self._source[name]
+        source = self._current_source(name)
         value = self._view.tensor(source)
         module, _, param = source.rpartition(_BASE_LAYER)
         layer = self._layers.get(module) if module else None
@@ -124,6 +121,19 @@ class MergedLora:
             if param == "bias" and getattr(layer, "lora_bias", {}).get(adapter):
                 return (value + layer.lora_B[adapter].bias * layer.scaling[adapter]).to(value.dtype)
         return value
+
+    def unmerged(self, name: str) -> torch.Tensor:
+        """Checkpoint tensor `name` as the trainer holds it, the adapter not merged in: for rollouts that serve the
+        adapter over their base (`TransferPlan.lora_served`)."""
+        return self._view.tensor(self._current_source(name))
+
+    def _current_source(self, name: str) -> str:
+        """The view's name of checkpoint tensor `name`, the view re-read first if the model changed under it."""
+        # The view reads the tensor objects it captured: a base parameter replaced since (`load_state_dict(...,
+        # assign=True)`), or another adapter made active, would otherwise be sent as it was then.
+        if not self._view.reads_current(self._source[name]) or _active_adapter(self._model) != self._adapter:
+            self._read()
+        return self._source[name]
 
     def _adapts(self, layer: Any) -> bool:
         """Whether the active adapter has LoRA weights in `layer` (a Linear's `lora_A`, an Embedding's own dict)."""

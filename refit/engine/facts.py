@@ -19,7 +19,7 @@ refit knows how to name: their engines sync the target alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from refit.errors import EngineError
@@ -58,6 +58,7 @@ class EngineFacts:
                                                     mtp=speculative_method(vllm_config) == "mtp")
             if draft_dir is not None:
                 info = info.with_draft(RolloutModelInfo.from_checkpoint(draft_dir, from_files=not dummy))
+        info = replace(info, serves_lora=getattr(vllm_config, "lora_config", None) is not None)
         return cls(
             model_info=info,
             vocab_size=int(vllm_config.model_config.get_vocab_size()),
@@ -121,6 +122,7 @@ def _info_to_plain(info: RolloutModelInfo) -> dict[str, Any]:
         "vocab_size": info.vocab_size,
         "draft": None if info.draft is None else _info_to_plain(info.draft),
         "mtp_prefixes": list(info.mtp_prefixes),
+        "serves_lora": info.serves_lora,
     }
 
 
@@ -135,4 +137,5 @@ def _info_from_plain(info: Any) -> RolloutModelInfo:
         None if info["vocab_size"] is None else int(info["vocab_size"]),
         None if draft is None else _info_from_plain(draft),
         tuple(str(prefix) for prefix in info.get("mtp_prefixes", ())),
+        serves_lora=info.get("serves_lora") is True,
     )

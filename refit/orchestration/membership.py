@@ -177,6 +177,8 @@ def _differences(one: RolloutModelInfo, other: RolloutModelInfo, model: str = ""
         return ["a speculative draft model: one has one, the other none"]
     differ = [field for field in ("quantization_config", "tie_word_embeddings", "vocab_size", "mtp_prefixes")
               if getattr(one, field) != getattr(other, field)]
+    if one.serves_lora != other.serves_lora:  # a plan sends the base merged or not, for one kind
+        differ.append("LoRA on or off (EngineConfig.lora_rank)")
     if one.weights != other.weights:
         names = {w.name: w for w in one.weights or ()}, {w.name: w for w in other.weights or ()}
         odd = sorted(n for n in {*names[0], *names[1]} if names[0].get(n) != names[1].get(n))

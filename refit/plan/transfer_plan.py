@@ -62,6 +62,8 @@ class RolloutModelInfo:
     mtp_prefixes: tuple[str, ...] = ()
     """A draft of MTP layers: where the target's checkpoint holds them (`model.mtp_layers.0.`), and so the names a
     trainer sends them under; empty for a draft model of its own checkpoint (sent as `draft.` + its names)."""
+    serves_lora: bool = False
+    """The engine applies LoRA adapters over its base itself (vLLM's `enable_lora`, `EngineConfig.lora_rank`)."""
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> RolloutModelInfo:
@@ -162,7 +164,7 @@ class _PlanText:
             plain = {"quantize_on": str(plan.quantize_on),
                      "buckets": [[[t.target, t.source, list(t.shape), t.dtype, None if t.block is None else list(t.block)]
                                   for t in bucket] for bucket in plan.buckets],
-                     "copies": [list(pair) for pair in plan.copies]}
+                     "copies": [list(pair) for pair in plan.copies], "lora_served": plan.lora_served}
             self.text = json.dumps(plain, separators=(",", ":"))
         return self.text
 
@@ -186,6 +188,10 @@ class TransferPlan:
     A tied alias (a tied `lm_head`) must be loaded under its own name, since a layerwise reload breaks the
     tie, but its bytes are its source's: sending them twice cost a tied model's every sync (and delta) a
     second copy of its embedding, the largest bf16 tensor on the wire."""
+    lora_served: bool = False
+    """The rollout applies LoRA adapters itself (`RolloutModelInfo.serves_lora`): a source training one sends its
+    base without the adapter merged in, since the rollout serves that adapter on top of it (`Syncer.sync_adapter`);
+    a merged base would apply it twice."""
 
     _text: _PlanText = field(default_factory=_PlanText, repr=False, compare=False)
     """The buckets and copies as JSON text, made on first use and shared by every `for_sync` copy (`to_plain`)."""
@@ -267,7 +273,8 @@ def _decoded(text: str) -> TransferPlan:
     copies = tuple((target, of) for target, of in plain["copies"] if isinstance(target, str) and isinstance(of, str))
     if len(copies) != len(plain["copies"]):
         raise TypeError(f"copies {plain['copies']!r} are not [target, of] names")
-    plan = TransferPlan(buckets, QuantizeOn(plain["quantize_on"]), copies=copies, _text=_PlanText(text))
+    plan = TransferPlan(buckets, QuantizeOn(plain["quantize_on"]), copies=copies,
+                        lora_served=plain.get("lora_served") is True, _text=_PlanText(text))
     with _DECODED_LOCK:
         _DECODED[text] = plan
         while len(_DECODED) > _DECODED_KEPT:
@@ -328,7 +335,8 @@ def make_plan(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, co
         ordered += [replace(t, target=DRAFT_PREFIX + t.target, source=sent_as.get(t.source, DRAFT_PREFIX + t.source))
                     for t in planned]
         copies += [(DRAFT_PREFIX + target, DRAFT_PREFIX + of) for target, of in draft_copies]
-    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on, copies=tuple(copies))
+    return TransferPlan(_pack(ordered, config.bucket_bytes, config.quantize_on), config.quantize_on, copies=tuple(copies),
+                        lora_served=rollout_model.serves_lora)
 
 
 def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, config: SyncConfig,

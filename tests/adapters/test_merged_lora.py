@@ -86,3 +86,27 @@ def test_what_the_model_holds_now_is_merged_after_its_base_is_replaced_or_anothe
     model.set_adapter("other")
     expected = CheckpointView(copy.deepcopy(model).merge_and_unload())
     assert [m.name for m in expected.metadata() if not torch.equal(merged.tensor(m.name), expected.tensor(m.name))] == []
+
+
+def test_a_rollout_that_serves_lora_is_planned_the_base_unmerged_which_is_what_peft_unload_holds():
+    """A LoRA rollout applies the adapter itself: the plan for it says so, through every form it travels in (to the
+    trainer pickled, in the replica's facts as JSON), and `unmerged` is the base as the trainer holds it."""
+    import dataclasses
+    import json
+    import pickle
+
+    from refit.engine.facts import _info_from_plain, _info_to_plain
+    from refit.orchestration.membership import check_same_model
+    from refit.plan import RolloutModelInfo, SyncConfig, make_plan
+
+    model = peft_model()
+    merged = MergedLora(model)
+    expected = CheckpointView(copy.deepcopy(model).unload())
+    assert [m.name for m in expected.metadata() if not torch.equal(merged.unmerged(m.name), expected.tensor(m.name))] == []
+    lora = dataclasses.replace(RolloutModelInfo(None, False), serves_lora=True)
+    assert _info_from_plain(json.loads(json.dumps(_info_to_plain(lora)))) == lora
+    plan = make_plan(merged.metadata(), lora, SyncConfig())
+    assert pickle.loads(pickle.dumps(plan.for_sync(None))).lora_served
+    assert not make_plan(merged.metadata(), RolloutModelInfo(None, False), SyncConfig()).lora_served
+    with pytest.raises(ConfigError, match="LoRA on or off"):  # one plan cannot serve both kinds
+        check_same_model([("replica 0", lora), ("replica 1", RolloutModelInfo(None, False))])

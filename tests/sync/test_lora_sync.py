@@ -30,8 +30,8 @@ def test_adapter_only_syncs_move_the_adapters_bytes_serve_what_vllm_loads_from_a
     replica = actors_factory.rollout(FP8, node=1, lora_rank=8, load_format="dummy")
     fresh = actors_factory.rollout(FP8, node=2, lora_rank=8)
     syncer = refit.Syncer(trainer, [replica])
-    # Its base first, by a weight sync through vLLM's LoRA layers (the adapter is a no-op until it trains: peft
-    # starts lora_B at zero, so the merged weights are the base's): every FP8 code and scale is the checkpoint's.
+    # Its base first, by a weight sync through vLLM's LoRA layers (the base alone: a replica that serves LoRA applies
+    # the adapter itself): every FP8 code and scale is the checkpoint's.
     syncer.sync()
     base = run_in(replica, engine_state)
     assert base == run_in(fresh, engine_state)
@@ -135,16 +135,20 @@ def test_merge_mode_syncs_the_base_with_the_adapter_merged_in_as_peft_merges_it(
 
 
 
-def test_a_weight_sync_keeps_the_adapter_a_lora_replica_serves(actors_factory):
+def test_a_weight_sync_keeps_the_adapter_a_lora_replica_serves_and_sends_it_the_base_unmerged(actors_factory):
     """Found: vLLM drops every LoRA adapter when a weight update finishes; refit's, installed from memory, name no
     directory to be read again from, so after any weight sync (a replica added, say) every request on the served
-    adapter failed (LoRAAdapterNotFoundError) until the next adapter sync."""
-    trainer = actors_factory.trainer(BF16, lora=LORA)
+    adapter failed (LoRAAdapterNotFoundError) until the next adapter sync. And the sync sent the base with the
+    trained adapter merged in, which the replica then served the adapter on top of: base + 2 B A."""
+    trainer = actors_factory.trainer(BF16, lora=LORA, lr=1e-2)
     replica = actors_factory.rollout(FP8, node=1, lora_rank=8)
     syncer = refit.Syncer(trainer, [replica])
+    ray.get(trainer.train_step.remote(SEQUENCES), timeout=120)
     syncer.sync_adapter()
+    base = run_in(replica, engine_state)
     served = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS))
     syncer.sync()  # the base again
+    assert run_in(replica, engine_state) == base  # the checkpoint's every FP8 code and scale: no adapter merged in
     after = ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS))
     assert after.adapter == served.adapter and after.logprobs == served.logprobs
     assert syncer.sync_adapter().version == 2
