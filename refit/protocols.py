@@ -343,7 +343,7 @@ class FullRolloutReplica(RolloutReplica, Protocol):
     @optional("update")
     def stage_adapter(self, sync_id: str, version: int, adapter: AdapterWeights, timeout_s: float) -> str:
         """Install a LoRA adapter from memory as `version`, beside the one served and serving no one yet; returns the
-        digest of the bytes the engine holds. Unloads the adapter the last swap retired first (its requests get up to
+        digest of the bytes its workers built it from. Unloads the adapter the last swap retired first (its requests get up to
         `timeout_s`). A failure leaves the served adapter serving (`refit.Syncer.sync_adapter`, docs/lora.md)."""
         ...
 

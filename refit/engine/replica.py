@@ -377,7 +377,7 @@ class ReplicaCore:
     # -- LoRA adapters (refit/adapters/): staged on every replica, then served; the base is never touched ----------
     def stage_adapter(self, sync_id: str, version: int, adapter: AdapterWeights, timeout_s: float) -> str:
         """Install `adapter` as `version` beside the one served, serving it to no one yet; returns the digest of the
-        bytes the engine now holds. First unloads the adapter retired by the last swap, waiting up to `timeout_s`
+        bytes its workers built it from. First unloads the adapter retired by the last swap, waiting up to `timeout_s`
         for its last requests. A failure leaves the served adapter serving, and nothing new installed."""
         if self.engine.lora_rank is None:
             raise ConfigError(

@@ -11,7 +11,7 @@ The whole flow (`Syncer.sync_adapter` runs it on the Syncer's fleet):
    driver never holds the bytes);
 3. every replica *stages* it: installed in its engine beside the adapter
    it serves, serving no one yet, and reports the digest of the bytes its
-   engine holds, which must be the source's;
+   workers built it from, which must be the source's;
 4. only when every replica has staged it does each one *serve* it: new
    requests run on it, running ones finish on the old one.
 
