@@ -382,3 +382,23 @@ def test_an_adapter_one_replica_refuses_is_refused_naming_that_replica():
         Syncer(LoraTrainer(tiny_decoder()), replicas, CONFIG).sync_adapter()
     assert "raised by rollout 1" in error.value.__notes__
     assert all(r.status().adapter is None for r in replicas)
+
+
+def test_a_cpu_replica_with_lora_on_refuses_verify_probe_before_its_update_opens():
+    """Found: vLLM's CPU LoRA path fails on prompt logprobs (add_lora_logits: "einsum(): subscript b has size 4 ..."),
+    so with verify='probe' every weight sync of a CPU replica with LoRA on failed after all its weights had loaded,
+    and left it refusing to serve."""
+    from dataclasses import replace
+
+    from tests.support.fakes import LoraEngine, LoraTrainer, lora_replica
+
+    class ScoringLoraTrainer(LoraTrainer):
+        def reference_logprobs(self, prompts):
+            return [[0.0] * (len(prompt) - 1) for prompt in prompts]
+
+    engine = LoraEngine()
+    engine.facts = replace(engine.facts, model_info=replace(engine.facts.model_info, vocab_size=64, serves_lora=True))
+    replica = lora_replica(engine)
+    with pytest.raises(ConfigError, match=r"verify='probe' on a CPU replica with LoRA on \(EngineConfig\.lora_rank\)"):
+        Syncer(ScoringLoraTrainer(tiny_decoder()), [replica], replace(CONFIG, verify="probe")).sync()
+    assert replica.status().phase is Phase.SERVING and replica.lifecycle.open_update() is None
