@@ -91,6 +91,14 @@ class TrainerActor:
         """Per prompt, the logprob of each token after the first (the logprob probe's reference)."""
         return prompt_logprobs(self.model, prompts)
 
+    @torch.no_grad()
+    def base_reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The same, of the base alone (the adapter off): what a weight sync sends a rollout that serves LoRA."""
+        if self._merged is None:
+            return self.reference_logprobs(prompts)
+        with self.model.disable_adapter():
+            return prompt_logprobs(self.model, prompts)
+
     # -- training ----------------------------------------------------------------
     # Mixed precision as FSDP2 does it: the optimizer updates fp32 master
     # weights and the bf16 model (what forward, backward and `stream_buckets`

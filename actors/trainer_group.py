@@ -77,6 +77,10 @@ class TrainerRank(RankProcess):
         """The logprob probe's reference (a collective: every rank runs the forward pass)."""
         return prompt_logprobs(self.model, prompts)
 
+    def base_reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The same: it trains no LoRA adapter, so its base is the whole model."""
+        return self.reference_logprobs(prompts)
+
     # -- training (collectives) ----------------------------------------------------------------------------------------
     def train_step(self, sequences: Sequence[Sequence[int]]) -> float:
         """One next-token step on this rank's share of the batch; FSDP2 averages the gradients."""

@@ -189,6 +189,12 @@ class FullWeightSource(WeightSource, Protocol):
         ...
 
     @optional()
+    def base_reference_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`reference_logprobs` of the base alone, without the LoRA adapter it trains: the reference for a rollout
+        that serves LoRA, which a weight sync sends the base alone (`TransferPlan.lora_served`)."""
+        ...
+
+    @optional()
     def adapter_meta(self) -> AdapterMeta:
         """The LoRA adapter it trains, described without its bytes (name, PEFT config, shapes, digest);
         `Syncer.sync_adapter` checks it against the rollout's base before anything is sent."""

@@ -84,7 +84,7 @@ from refit.orchestration.transport_choice import pick_transport
 from refit.plan.config import SyncConfig, Transport, Verify
 from refit.plan.tensors import TensorMeta, checked_metadata
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan, make_plan
-from refit.protocols import RolloutReplica, WeightSource
+from refit.protocols import RolloutReplica, WeightSource, has_method
 from refit.transport.delta import DeltaMode
 from refit.transport.integrity import new_sync_key
 from refit.verification.probe import ProbeRequest, probe_prompts
@@ -422,7 +422,10 @@ class Syncer:
         if vocab is None:
             raise ConfigError("verify='probe' needs the rollout model's vocab_size, which its config.json lacks")
         prompts = probe_prompts(vocab)
-        reference = raise_first_error(call_all(self._sources, "reference_logprobs", prompts, timeout_s=self.config.timeout_s))[0]
+        # A rollout that serves LoRA is sent the base alone (`TransferPlan.lora_served`), and scores the probe on it.
+        base_only = self._rollout_model.serves_lora and all(has_method(s, "base_reference_logprobs") for _, s in self._sources)
+        method = "base_reference_logprobs" if base_only else "reference_logprobs"
+        reference = raise_first_error(call_all(self._sources, method, prompts, timeout_s=self.config.timeout_s))[0]
         return ProbeRequest(tuple(map(tuple, prompts)), tuple(map(tuple, reference)), fail=self.config.on_probe_breach == "fail")
 
 

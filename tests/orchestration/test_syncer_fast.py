@@ -402,3 +402,29 @@ def test_a_cpu_replica_with_lora_on_refuses_verify_probe_before_its_update_opens
     with pytest.raises(ConfigError, match=r"verify='probe' on a CPU replica with LoRA on \(EngineConfig\.lora_rank\)"):
         Syncer(ScoringLoraTrainer(tiny_decoder()), [replica], replace(CONFIG, verify="probe")).sync()
     assert replica.status().phase is Phase.SERVING and replica.lifecycle.open_update() is None
+
+
+def test_the_probe_of_a_rollout_that_serves_lora_is_the_trainers_base_alone():
+    """A rollout that serves LoRA is sent the base alone and scores the probe on it: compared with the trainer's
+    adapted model, every sync after training would breach."""
+    from dataclasses import replace
+
+    class LoraRollout(FakeReplica):
+        def describe(self):
+            return replace(super().describe(), vocab_size=64, serves_lora=True)
+
+        def finish_update(self, sync_id, version, probe=None):
+            self.probe = probe
+            return super().finish_update(sync_id, version)
+
+    class AdaptedTrainer(FakeTrainer):
+        def reference_logprobs(self, prompts):
+            return [[-1.0] * (len(prompt) - 1) for prompt in prompts]
+
+        def base_reference_logprobs(self, prompts):
+            return [[-2.0] * (len(prompt) - 1) for prompt in prompts]
+
+    model = tiny_decoder()
+    replicas = [LoraRollout(expected_names(model))]
+    Syncer(AdaptedTrainer(model), replicas, replace(CONFIG, verify="probe")).sync()
+    assert {value for row in replicas[0].probe.reference for value in row} == {-2.0}
