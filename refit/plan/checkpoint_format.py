@@ -114,7 +114,8 @@ class CheckpointView:
         source = self._sources[name]
         owner, _, attribute = source.rpartition(".")
         module = self._model.get_submodule(owner) if owner else self._model
-        return getattr(module, attribute, None) is self._tensors[source]
+        held = self._tensors[source]
+        return getattr(module, attribute, None) is held and (held.dtype, held.shape) == self._described[source]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""
