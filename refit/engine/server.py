@@ -57,11 +57,12 @@ the gate holds them for an update:
   503 until a sync has been released as verified (its placeholder KV
   scales would make vLLM's engine die on the first request); requests
   sent during that first sync are held and run after it;
-- a replica that refuses after a failed sync (of a server that was not
-  dummy-loaded) cannot stop the server from answering once it releases:
-  `status()` says refusing, and whoever routes users' traffic must take it
-  out of rotation. A replica that dies while it holds requests leaves
-  them held until a new replica's sync releases them.
+- a replica that refuses after a failed sync releases the hold as
+  refusing: the gate answers generation routes 503 with its reason until a
+  sync is released as verified. A replica that dies while it holds requests leaves
+  them held until its hold lapses (its calls renew it; nobody else's do):
+  the gate then refuses them, and another replica may hold the server
+  only from then on.
 
 Every HTTP call has a deadline: the sync's `timeout_s` once a sync has
 begun (a socket-level timeout: each connect and read must progress within
@@ -324,7 +325,7 @@ class ServerAdapter:
         }
         if prompt_logprobs:
             body["prompt_logprobs"] = 0  # vLLM's extra parameter: each prompt token's own logprob
-        answer = self._request("POST", "/v1/completions", body, passes_hold=True)
+        answer = self._request("POST", "/v1/completions", body)
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
         except (KeyError, TypeError):
@@ -454,14 +455,13 @@ class ServerAdapter:
         return results
 
     def _request(self, verb: str, path: str, body: dict | None = None, *, timeout_s: float | None = None,
-                 what: str | None = None, raw: bool = False, if_unreachable: str | None = None,
-                 passes_hold: bool = False) -> Any:
+                 what: str | None = None, raw: bool = False, if_unreachable: str | None = None) -> Any:
         """The server's answer to `verb path`, parsed as JSON only (`raw`: its bytes, unparsed); raises `ServerError`s."""
         what = what or f"{verb} {path}"
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._key}"}
-        if passes_hold and self._pass_token is not None:  # the hold's own token: users cannot pass it
+        if self._pass_token is not None:  # the hold's own token: its stage and probe pass it, its calls keep it alive
             headers[PASS_HOLD_HEADER] = self._pass_token
         request = urllib.request.Request(self.url + path, data=data, method=verb, headers=headers)
         try:

@@ -20,14 +20,20 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   generation routes 503 until a sync has been released as verified: its
   placeholder KV scales would make vLLM's engine die on the first request.
   Requests sent during that first sync are held like any others;
-- a hold lives on calls: each request by which a replica drives its update
-  (`DRIVING_PATHS`, the gate's own POST routes, refit's own generation)
-  renews it for `lease_s` (`POST
-  /refit/hold?lease_s=T`; the replica asks three of its sync's deadlines,
-  as its own update lease). A replica that died while it held the server
-  (its update left open, the model perhaps half-loaded) renews nothing: the
-  hold then lapses into a refusal, so held users get a 503 that says why
-  instead of waiting for ever;
+- a hold lives on calls: each request by which the replica that holds it
+  drives its update (`DRIVING_PATHS`, the gate's own POST routes, refit's
+  own generation), carrying the hold's token, renews it for `lease_s`
+  (`POST /refit/hold?lease_s=T`; the replica asks three of its sync's
+  deadlines, as its own update lease). A replica that died while it held
+  the server (its update left open, the model perhaps half-loaded) renews
+  nothing: the hold then lapses into a refusal, so held users get a 503
+  that says why instead of waiting for ever;
+- a hold is its replica's: while it has not lapsed, another replica's
+  `/refit/hold` or `/refit/release` (without its token) is refused 409, so
+  a second replica of the same server cannot release users onto a model
+  the first is loading. A lapsed hold may be taken over: the server then
+  refuses (the dead replica's update may be half-loaded) until a sync is
+  released as verified;
 - a replica that refuses after a failed sync (its model a mix of two
   versions) releases the hold as refusing: generation routes then answer
   503 with its reason, until a sync is released as verified. Whoever routes
@@ -121,13 +127,18 @@ class RefitGate:
             await _answer(scope, send, *await self._own_route(scope, path))
             return
         sent = _header(scope, PASS_HOLD_HEADER)
-        if sent is not None and not self._passes_hold(sent):
-            await _answer(scope, send, 409, {"error": f"the {PASS_HOLD_HEADER} header does not carry the current hold's "
-                                                      "token: only refit's own requests pass a hold"})
-            return
-        if _is_control(path) or sent is not None:
-            if path.rstrip("/") in DRIVING_PATHS or not _is_control(path):
+        holder = sent is not None and self._passes_hold(sent)
+        if _is_control(path):  # passes whatever it carries; only the holder's drive renews the hold
+            if holder and path.rstrip("/") in DRIVING_PATHS:
                 self._renew_hold()
+            await self.app(scope, receive, send)
+            return
+        if sent is not None:
+            if not holder:
+                await _answer(scope, send, 409, {"error": f"the {PASS_HOLD_HEADER} header does not carry the current "
+                                                          "hold's token: only refit's own requests pass a hold"})
+                return
+            self._renew_hold()
             await self.app(scope, receive, send)
             return
         if self._held:
@@ -170,8 +181,19 @@ class RefitGate:
     async def _own_route(self, scope: Scope, path: str) -> tuple[int, dict]:
         query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
         verb = scope.get("method")
-        if verb == "POST":
+        sent = _header(scope, PASS_HOLD_HEADER)
+        holder = sent is not None and self._passes_hold(sent)
+        if verb == "POST" and holder:
             self._renew_hold()
+        if verb == "POST" and path in ("/refit/hold", "/refit/release") and self._held and not holder:
+            # Another replica's hold: while it lives, its update may be loading; once lapsed, the server refuses.
+            left = self._hold_deadline - time.monotonic()
+            if left > 0:
+                return 409, {"error": (
+                    f"another replica's update holds this server (its hold lapses in {left:.0f} s unless that replica "
+                    "calls again): one replica syncs a server at a time; sync it through that replica's Syncer, or "
+                    "retry once its hold has lapsed")}
+            await self._lapse()
         if path == "/refit/hold" and verb == "POST":
             lease_s = _seconds(query.get("lease_s", "360"))
             if lease_s is None or lease_s <= 0:
@@ -216,16 +238,19 @@ class RefitGate:
         while self._held:
             left = self._hold_deadline - time.monotonic()
             if left <= 0:
-                self._held, self._pass_token = False, None
-                self._refusing = (f"refit's replica stopped driving the update it began (no call for "
-                                  f"{self._hold_lease_s:.0f} s): its driver or its actor is gone, and the update may be "
-                                  "half-loaded")
-                await self._notify()
+                await self._lapse()
                 return
             try:
                 await asyncio.wait_for(self._wait_for(lambda: not self._held), min(left, 1.0))
             except TimeoutError:
                 pass
+
+    async def _lapse(self) -> None:
+        """The hold's replica stopped calling: its update may be half-loaded, so the server refuses."""
+        self._held, self._pass_token = False, None
+        self._refusing = (f"refit's replica stopped driving the update it began (no call for {self._hold_lease_s:.0f} s): "
+                          "its driver or its actor is gone, and the update may be half-loaded")
+        await self._notify()
 
     async def _wait_for(self, predicate: Callable[[], bool]) -> None:
         changed = self._condition()

@@ -492,6 +492,15 @@ async def _ask(gate, path: str, key: str | None = "the key", verb: str = "POST",
     return answer["status"], answer["body"]
 
 
+async def _hold(gate, query: str = "/refit/hold") -> list[tuple[bytes, bytes]]:
+    """A replica's hold: the header carrying its token, which its own calls (and its release) send."""
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
+    status, body = await _ask(gate, query)
+    assert status == 200, body
+    return [(PASS_HOLD_HEADER.encode(), body["pass_token"].encode())]
+
+
 @pytest.fixture
 def gate(monkeypatch):
     from refit.engine.server_gate import RefitGate
@@ -548,11 +557,12 @@ def test_the_gate_holds_generation_not_control_routes_drains_what_passed_and_rel
         for guessed in (b"1", "\u00e9t\u00e9".encode("latin-1")):
             assert (await _ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), guessed)]))[0] == 409
         assert not held.done()
-        assert (await _ask(refit_gate, "/refit/release?synced=1"))[1]["held"] is False
+        mine = [(PASS_HOLD_HEADER.encode(), token)]
+        assert (await _ask(refit_gate, "/refit/release?synced=1", headers=mine))[1]["held"] is False
         assert (await held)[0] == 200
-        await _ask(refit_gate, "/refit/hold")  # the next hold: the last one's token passes it no more
-        assert (await _ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), token)]))[0] == 409
-        await _ask(refit_gate, "/refit/release")
+        following = await _hold(refit_gate)  # the next hold: the last one's token passes it no more
+        assert (await _ask(refit_gate, "/v1/completions", headers=mine))[0] == 409
+        await _ask(refit_gate, "/refit/release", headers=following)
 
     asyncio.run(scenario())
 
@@ -567,17 +577,17 @@ def test_a_dummy_loaded_servers_gate_answers_503_until_a_verified_sync_released_
     async def scenario() -> None:
         status, body = await _ask(refit_gate, "/v1/completions")
         assert status == 503 and "started with --load-format dummy" in body["error"]
-        await _ask(refit_gate, "/refit/hold")
+        mine = await _hold(refit_gate)
         held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
         await asyncio.sleep(0.05)
-        await _ask(refit_gate, "/refit/release?synced=0")  # a failed first sync: still placeholders
+        await _ask(refit_gate, "/refit/release?synced=0", headers=mine)  # a failed first sync: still placeholders
         assert (await held)[0] == 503
-        await _ask(refit_gate, "/refit/hold")
+        mine = await _hold(refit_gate)
         held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
         await asyncio.sleep(0.05)
         assert (await _ask(refit_gate, "/refit/state", verb="GET"))[1] == {
             "refit_gate": True, "held": True, "in_flight": 0, "waiting": 1, "awaiting_first_sync": True, "refusing": None}
-        await _ask(refit_gate, "/refit/release?synced=1")
+        await _ask(refit_gate, "/refit/release?synced=1", headers=mine)
         assert (await held)[0] == 200 and app.reached == ["/v1/completions"]
 
     asyncio.run(scenario())
@@ -590,15 +600,15 @@ def test_the_gate_refuses_after_a_failed_sync_until_a_verified_one(gate):
 
     async def scenario() -> None:
         assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
-        await _ask(refit_gate, "/refit/hold")
+        mine = await _hold(refit_gate)
         held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
         await asyncio.sleep(0.05)
-        await _ask(refit_gate, "/refit/release?refusing=loading%20a%20bucket%20failed")
+        await _ask(refit_gate, "/refit/release?refusing=loading%20a%20bucket%20failed", headers=mine)
         status, body = await held
         assert status == 503 and body["error"].endswith("until its next verified sync: loading a bucket failed")
         assert (await _ask(refit_gate, "/health", verb="GET"))[0] == 200  # control routes still answer
-        await _ask(refit_gate, "/refit/hold")
-        await _ask(refit_gate, "/refit/release?synced=0")  # a sync that failed before changing anything: still refusing
+        mine = await _hold(refit_gate)
+        await _ask(refit_gate, "/refit/release?synced=0", headers=mine)  # a sync that failed before changing anything
         assert (await _ask(refit_gate, "/v1/completions"))[0] == 503
         await _ask(refit_gate, "/refit/release?synced=1")
         assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
@@ -612,12 +622,14 @@ def test_a_hold_whose_replica_stops_calling_lapses_into_a_refusal_and_health_che
     hold's lease, rather than waiting for ever; a load balancer's probes must not keep the hold alive."""
     refit_gate, app = gate
 
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
     async def scenario() -> None:
-        await _ask(refit_gate, "/refit/hold?lease_s=0.6")
+        token = (await _ask(refit_gate, "/refit/hold?lease_s=0.6"))[1]["pass_token"]
         held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
-        for _ in range(3):  # a driving call renews the hold: still held after more than one lease
+        for _ in range(3):  # the holder's driving call renews the hold: still held after more than one lease
             await asyncio.sleep(0.3)
-            await _ask(refit_gate, "/collective_rpc")
+            await _ask(refit_gate, "/collective_rpc", headers=[(PASS_HOLD_HEADER.encode(), token.encode())])
         assert not held.done()
         for _ in range(4):  # health checks and reads do not
             await asyncio.sleep(0.3)
@@ -644,5 +656,55 @@ def test_a_hold_that_would_never_lapse_or_a_drain_without_a_deadline_is_refused(
         assert status == 400 and "finite number of seconds" in body["error"], body
         assert (await _ask(refit_gate, "/refit/state", verb="GET"))[1]["held"] is False
         assert (await _ask(refit_gate, "/v1/completions"))[0] == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_second_replica_cannot_take_or_release_a_hold_whose_replica_still_drives_its_update(gate):
+    """Two `ServerRollout`s on one server (two drivers, or a new one beside an old one still syncing): the second's
+    hold replaced the first's token and its failed begin released the first's users onto a model mid-load."""
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        first = (await _ask(refit_gate, "/refit/hold?lease_s=60"))[1]["pass_token"]
+        mine = [(PASS_HOLD_HEADER.encode(), first.encode())]
+        held = asyncio.create_task(_ask(refit_gate, "/v1/completions"))
+        await asyncio.sleep(0.05)
+        status, body = await _ask(refit_gate, "/refit/hold?lease_s=60")
+        assert status == 409 and "another replica's update holds this server" in body["error"], body
+        status, body = await _ask(refit_gate, "/refit/release?synced=0")
+        assert status == 409 and "another replica's update holds this server" in body["error"], body
+        assert not held.done() and (await _ask(refit_gate, "/v1/completions", headers=mine))[0] == 200
+        assert (await _ask(refit_gate, "/refit/release?synced=1", headers=mine))[0] == 200
+        assert (await held)[0] == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_new_replica_takes_over_a_lapsed_hold_and_its_users_stay_refused_until_a_verified_sync(gate):
+    """A replica that died mid-update left its update open in the workers; a new replica's first sync then failed
+    before loading anything (the workers' update was still active) and released users to that half-loaded model.
+    Its connection calls (the workers' boot ids) must not keep the dead replica's hold alive either."""
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        dead = (await _ask(refit_gate, "/refit/hold?lease_s=0.5"))[1]["pass_token"]
+        await _ask(refit_gate, "/collective_rpc", headers=[(PASS_HOLD_HEADER.encode(), dead.encode())])
+        for _ in range(4):  # the new replica connects: its calls carry no token of the dead one's hold
+            await asyncio.sleep(0.2)
+            await _ask(refit_gate, "/collective_rpc")
+        status, body = await _ask(refit_gate, "/refit/hold?lease_s=60")
+        assert status == 200 and "stopped driving the update it began" in (body["refusing"] or ""), body
+        mine = [(PASS_HOLD_HEADER.encode(), body["pass_token"].encode())]
+        await _ask(refit_gate, "/refit/release?synced=0", headers=mine)  # its sync failed before loading anything
+        status, body = await _ask(refit_gate, "/v1/completions")
+        assert status == 503 and "stopped driving the update it began" in body["error"]
+        token = (await _ask(refit_gate, "/refit/hold?lease_s=60"))[1]["pass_token"]  # its next sync, verified
+        await _ask(refit_gate, "/refit/release?synced=1", headers=[(PASS_HOLD_HEADER.encode(), token.encode())])
+        assert (await _ask(refit_gate, "/v1/completions"))[0] == 200 and app.reached.count("/v1/completions") == 1
 
     asyncio.run(scenario())
