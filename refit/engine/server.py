@@ -89,7 +89,7 @@ from typing import Any
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.engine.facts import EngineFacts
 from refit.engine.replica import Generation, ReplicaCore
-from refit.engine.server_gate import DUMMY_ENV, KEY_ENV, PASS_HOLD_HEADER
+from refit.engine.server_gate import DUMMY_ENV, KEY_ENV, PASS_HOLD_HEADER, clean_key
 from refit.engine.worker_rpc import decode_reply, encode_call
 from refit.errors import ConfigError, EngineError, EngineHungError, ServerError, ServerGoneError
 from refit.plan.config import Pause, SyncConfig
@@ -192,10 +192,12 @@ def serve_key(options: Sequence[str], environ: dict[str, str]) -> tuple[str, str
     if given is not None:
         if len(given) != 1 or not given[0]:
             raise ConfigError(f"--api-key takes one key with refit serve ({len(given)} given)")
+        if clean_key(given[0], "--api-key", ConfigError) != given[0]:  # vLLM's own check of /v1 takes it as given
+            raise ConfigError("--api-key holds surrounding whitespace: give the key without it")
         return given[0], "--api-key"
     for name in (KEY_ENV, "VLLM_API_KEY"):
         if environ.get(name):
-            return environ[name], name
+            return clean_key(environ[name], name, ConfigError), name
     return secrets.token_urlsafe(32), None
 
 
@@ -263,7 +265,7 @@ class ServerAdapter:
         if not key:
             raise ServerError(f"no API key for the server at {self.url}: every route of a refit server requires one; "
                               f"{_KEY_HINT}")
-        self._key = key
+        self._key = clean_key(key, "api_key=" if api_key else KEY_ENV, ServerError)
         self._marked = False  # whether the update the hold is for was verified (`mark_version`)
         self._pass_token: str | None = None  # the current hold's, which refit's own requests pass it with
         # vLLM's routes name a LoRA adapter by a directory it loads (`/v1/load_lora_adapter`), and a request names

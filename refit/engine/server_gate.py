@@ -64,7 +64,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-__all__ = ["CONTROL_PATHS", "DRIVING_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "PASS_HOLD_HEADER", "RefitGate"]
+__all__ = ["CONTROL_PATHS", "DRIVING_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "PASS_HOLD_HEADER", "RefitGate",
+           "clean_key"]
 
 KEY_ENV = "REFIT_API_KEY"
 """The environment variable holding the server's key (the gate's), and the replica's default key."""
@@ -103,7 +104,7 @@ class RefitGate:
             raise RuntimeError(f"{KEY_ENV} is not set: refit's gate will not serve without a key (start the server "
                                "with `refit serve`, which sets it)")
         self.app = app
-        self._key_digest = hashlib.sha256(key.encode()).digest()
+        self._key_digest = hashlib.sha256(clean_key(key, KEY_ENV, RuntimeError).encode()).digest()
         self._held = False
         self._pass_token: str | None = None  # the hold's: refit's own requests pass it with this, users cannot
         self._hold_lease_s = 0.0
@@ -266,6 +267,16 @@ class RefitGate:
         if self._changed is None:
             self._changed = asyncio.Condition()
         return self._changed
+
+
+def clean_key(key: str, source: str, error: type[Exception]) -> str:
+    """`key` as `Authorization: Bearer KEY` carries it, without surrounding whitespace (a secret file's newline, which
+    the gate strips from what it is sent); `error`, naming `source` but never the key, for one no header can carry."""
+    key = key.strip()
+    if not key or any(ord(c) < 32 or 126 < ord(c) < 160 or ord(c) > 255 for c in key):
+        raise error(f"{source} holds a control character or one outside Latin-1, or nothing: no HTTP header can carry "
+                    "it as the server's key; use printable characters (secrets.token_urlsafe(32) makes one)")
+    return key
 
 
 def _seconds(text: str) -> float | None:

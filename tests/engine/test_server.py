@@ -708,3 +708,26 @@ def test_a_new_replica_takes_over_a_lapsed_hold_and_its_users_stay_refused_until
         assert (await _ask(refit_gate, "/v1/completions"))[0] == 200 and app.reached.count("/v1/completions") == 1
 
     asyncio.run(scenario())
+
+
+def test_a_key_with_a_secret_files_newline_is_sent_without_it_and_a_key_no_header_carries_is_refused_unprinted(
+        monkeypatch):
+    """A key read from a secret file often ends in a newline: the replica raised urllib's bare `ValueError: Invalid
+    header value b'Bearer KEY\\n'`, printing the key into every log and traceback, and `refit serve` made it the
+    gate's key, which no request could then carry."""
+    from refit.engine.server import ServerAdapter
+
+    server = _Recorder()
+    monkeypatch.setenv("REFIT_API_KEY", "s3cret-key\n")
+    try:
+        with pytest.raises(ServerError):  # the recorder is no refit server; what matters is what reached it
+            ServerAdapter(server.url, connect_timeout_s=10)
+        with pytest.raises(ServerError, match=r"api_key= holds a control character") as refused:
+            ServerAdapter(server.url, "s3cret\x00key", connect_timeout_s=10)
+    finally:
+        server.close()
+    assert server.seen[0] == ("/health", "Bearer s3cret-key") and "s3cret" not in str(refused.value)
+    assert serve_key(["m"], {"REFIT_API_KEY": "s3cret-key\n"}) == ("s3cret-key", "REFIT_API_KEY")
+    with pytest.raises(ConfigError, match="--api-key holds a control character") as refused:
+        serve_key(["m", "--api-key", "s3cret\rkey"], {})
+    assert "s3cret" not in str(refused.value)
