@@ -180,7 +180,7 @@ class RefitGate:
 
     # -- the hold -----------------------------------------------------------------------------
     async def _own_route(self, scope: Scope, path: str) -> tuple[int, dict]:
-        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
+        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
         verb = scope.get("method")
         sent = _header(scope, PASS_HOLD_HEADER)
         holder = sent is not None and self._passes_hold(sent)

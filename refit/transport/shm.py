@@ -251,7 +251,9 @@ class _Mapping:
     def __init__(self, ref: SegmentRef) -> None:
         path = f"/proc/{ref.pid}/fd/{ref.fd}"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Non-blocking: a place naming a FIFO (anyone with the server's key can send one) would block the open
+            # until a writer came; the type check below then refuses it.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as error:
             raise TransportError(
                 f"cannot open the trainer's shared memory {path} ({error.strerror}); transport='shm' needs the trainer "

@@ -660,6 +660,26 @@ def test_a_hold_that_would_never_lapse_or_a_drain_without_a_deadline_is_refused(
     asyncio.run(scenario())
 
 
+def test_a_query_that_is_no_utf8_is_refused_by_name_not_a_bare_server_error(gate):
+    """Found by review: the gate decoded its own routes' query strings as UTF-8, so a byte that is none raised
+    `UnicodeDecodeError` in the middleware and the client got a bare 500."""
+    refit_gate, app = gate
+    answer: dict = {}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        answer.setdefault(message["type"], message)
+
+    scope = {"type": "http", "method": "POST", "path": "/refit/hold", "query_string": b"lease_s=\xff", "root_path": "",
+             "headers": [(b"authorization", b"Bearer the key")]}
+    asyncio.run(refit_gate(scope, receive, send))
+    assert answer["http.response.start"]["status"] == 400
+    assert "finite number of seconds" in json.loads(answer["http.response.body"]["body"])["error"]
+    assert not refit_gate._held
+
+
 def test_a_second_replica_cannot_take_or_release_a_hold_whose_replica_still_drives_its_update(gate):
     """Two `ServerRollout`s on one server (two drivers, or a new one beside an old one still syncing): the second's
     hold replaced the first's token and its failed begin released the first's users onto a model mid-load."""

@@ -81,6 +81,29 @@ def test_bad_places_are_refused_by_name(ring: SharedSegments) -> None:
             SegmentRef.from_plain(plain)
 
 
+def test_a_place_naming_a_fifo_is_refused_at_once_not_waited_on(ring: SharedSegments, tmp_path) -> None:
+    """Found by review: the worker opened the place it was given blocking, so one naming a FIFO without a writer (which
+    anyone holding a server's key can send through vLLM's /collective_rpc) hung the worker in `open` for ever."""
+    import threading
+
+    good = list(ring.send([bucket(0, 1.0)], keep=1))[0]
+    os.mkfifo(tmp_path / "fifo")
+    fifo = os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK)  # a reader alone: a blocking open waits for a writer
+    outcome: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(os.getpid(), fifo, good.shm[2], 1)))
+        except BaseException as error:  # noqa: BLE001 - what the open raised is the test's result
+            outcome.append(error)
+
+    opener = threading.Thread(target=open_it, daemon=True)  # left blocked in `open` on the old code
+    opener.start()
+    opener.join(timeout=30)
+    os.close(fifo)
+    assert not opener.is_alive() and isinstance(outcome[0], TransportError) and "is no memory file" in str(outcome[0])
+
+
 def test_the_host_identity_names_boot_pid_namespace_and_user() -> None:
     identity = host_identity()
     assert identity.count("|") == 2 and identity.endswith(f"uid {os.getuid()}") and "pid:[" in identity
