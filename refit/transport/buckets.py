@@ -188,7 +188,7 @@ class BucketWriter:
         self._sealed = [False] * len(table)
         allocate = getattr(_where, "allocate", None)
         self._buffer = np.empty(offset, dtype=np.uint8) if allocate is None else allocate(offset)
-        self._flat = torch.from_numpy(self._buffer)
+        self._flat = _as_tensor(self._buffer)
 
     def slot(self, i: int) -> torch.Tensor:
         """Entry `i`'s place in the buffer, as a tensor of its dtype and shape, to write into."""
@@ -277,4 +277,7 @@ def _as_tensor(buffer: np.ndarray | torch.Tensor) -> torch.Tensor:
     # wrapping them. Nothing writes through these views, so it is safe.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(buffer)
+        flat = torch.from_numpy(buffer)
+    # torch gives a 0-byte array stride 0, and a view of it as a wider dtype then fails: a bucket of only empty
+    # tensors (a 0-row weight, its 0-row scale) must still unpack into them.
+    return flat if flat.numel() else torch.empty(0, dtype=torch.uint8)

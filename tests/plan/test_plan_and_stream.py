@@ -295,3 +295,23 @@ def test_buckets_written_in_place_equal_the_quantizers_tensors_packed(quantize_o
         for entry in bucket.tensors:  # the bytes between entries are padding
             span = slice(entry.offset, entry.offset + entry.nbytes)
             assert np.array_equal(bucket.buffer[span], packed.buffer[span]), entry.name
+
+
+@pytest.mark.parametrize("quantize_on", ["trainer", "rollout"])
+def test_empty_tensors_travel_even_in_a_bucket_of_their_own(quantize_on):
+    """A 0-row weight (its scale 0 rows too) and a 0-element buffer are tensors a model may hold: with a bucket bound
+    smaller than every tensor each travels in a 0-byte bucket, which torch once refused to view ("stride(-1) must be
+    1"), naming nothing."""
+    qc = json.loads((model_dir(False, "fp8_block") / "config.json").read_text())["quantization_config"]
+    tensors = {"model.layers.0.proj.weight": torch.randn(0, 256, dtype=torch.bfloat16),
+               "model.layers.0.norm.weight": torch.randn(5, dtype=torch.float32),
+               "model.layers.0.norm.empty": torch.zeros(0, 3, dtype=torch.float32)}
+    classes = {"proj": ("Linear", "Module"), "norm": ("LayerNorm", "Module")}
+    metas = [TensorMeta(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), classes[n.split(".")[-2]]) for n, t in tensors.items()]
+    plan = make_plan(metas, RolloutModelInfo(qc, False), config(1, quantize_on)).for_sync(new_sync_key())
+    assert len(plan.buckets) == 3
+    received = dict(t for b in produce_buckets(plan, tensors.__getitem__) for t in loadable_tensors(plan, b))
+    assert received["model.layers.0.proj.weight"].shape == (0, 256)
+    assert received["model.layers.0.proj.weight_scale"].shape == (0, 2)
+    assert received["model.layers.0.norm.empty"].shape == (0, 3)
+    assert torch.equal(received["model.layers.0.norm.weight"], tensors["model.layers.0.norm.weight"])
