@@ -81,6 +81,44 @@ def test_plan_with_a_rollout_config_it_cannot_read_is_an_error_not_a_traceback(c
     assert err.startswith("refit: ") and str(tmp_path) in err and message in err and "Traceback" not in err
 
 
+
+def _sharded(rollout):
+    """The rollout checkpoint split into two shards with an index, as a large checkpoint is."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(rollout / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {name: f"model-0000{1 + (i >= len(names) // 2)}-of-00002.safetensors" for i, name in enumerate(names)}
+    for shard in set(shards.values()):
+        save_file({n: tensors[n] for n, s in shards.items() if s == shard}, str(rollout / shard), metadata={"format": "pt"})
+    (rollout / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    (rollout / "model.safetensors").unlink()
+
+
+def test_plan_names_a_shard_the_rollouts_index_names_but_the_directory_lacks(tmp_path, capsys):
+    """Found: the missing shard's tensors were each reported as "extra in the trainer", blaming the wrong side."""
+    rollout = tmp_path / "rollout"
+    shutil.copytree(model_dir(True, "fp8_block"), rollout)
+    _sharded(rollout)
+    assert main(["plan", str(model_dir(True, "bf16")), str(rollout)]) == 0
+    (rollout / "model-00002-of-00002.safetensors").unlink()
+    assert main(["plan", str(model_dir(True, "bf16")), str(rollout)]) == 1
+    err = capsys.readouterr().err
+    assert "names 1 shard(s) missing" in err and "model-00002-of-00002.safetensors" in err and "extra in the trainer" not in err
+
+
+@pytest.mark.parametrize("length", [100, 2**40, 2**63 - 1])
+def test_plan_names_a_rollout_safetensors_file_whose_header_is_corrupt(length, tmp_path, capsys):
+    """Found: a header length past the file's end printed a traceback (MemoryError, OverflowError) or a JSON error
+    naming no file."""
+    rollout = tmp_path / "rollout"
+    shutil.copytree(model_dir(True, "fp8_block"), rollout)
+    weights = rollout / "model.safetensors"
+    weights.write_bytes(length.to_bytes(8, "little") + b'{"a": 1}')
+    assert main(["plan", str(model_dir(True, "bf16")), str(rollout)]) == 1
+    err = capsys.readouterr().err
+    assert f"{weights}: not a readable safetensors file" in err and "Traceback" not in err
+
 def test_serve_refuses_an_option_refit_sets_before_starting_anything(capsys, monkeypatch):
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     assert main(["serve", str(model_dir(True, "fp8_block")), "--worker-extension-cls", "my.Extension"]) == 1

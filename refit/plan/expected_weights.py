@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from refit.errors import ConfigError
 from refit.plan.checkpoint_format import describe_weights
 from refit.plan.mtp_layers import mtp_layer_weights
 from refit.plan.tensors import module_classes
@@ -72,7 +73,14 @@ def _loaded_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if not index.is_file():
         return files
-    indexed = set(json.loads(index.read_text())["weight_map"].values())
+    try:
+        indexed = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f"{index}: not a safetensors index with a weight_map ({type(error).__name__}: {error})") from None
+    # A shard the index names but the directory lacks would otherwise show as every one of its tensors "extra in the
+    # trainer", blaming the wrong side; vLLM cannot load such a checkpoint either.
+    if missing := sorted(str(name) for name in indexed - {path.name for path in files}):
+        raise ConfigError(f"{index} names {len(missing)} shard(s) missing from {model_dir}: {', '.join(missing[:8])}")
     return [path for path in files if path.name in indexed]
 
 
@@ -83,12 +91,27 @@ def _streamed(name: str) -> bool:
 def _from_headers(files: list[Path]) -> list[ExpectedWeight]:
     weights = []
     for path in files:
-        with path.open("rb") as f:  # the header: 8-byte length, then JSON; no tensor data is read
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
-            if name != "__metadata__" and _streamed(name):
-                weights.append(ExpectedWeight(name, tuple(entry["shape"]), entry["dtype"].startswith("F8")))
+        try:
+            for name, entry in _header(path).items():
+                if name != "__metadata__" and _streamed(name):
+                    weights.append(ExpectedWeight(name, tuple(entry["shape"]), entry["dtype"].startswith("F8")))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ConfigError(f"{path}: not a readable safetensors file ({type(error).__name__}: {error})") from None
     return weights
+
+
+def _header(path: Path) -> dict:
+    """A safetensors file's header (8-byte length, then JSON); no tensor data is read."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        # A corrupt or truncated length once asked Python for terabytes (MemoryError, OverflowError), naming no file.
+        if size < 8 or length > size - 8:
+            raise ValueError(f"its header claims {length} bytes, the file has {size}")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise TypeError(f"its header is a JSON {type(header).__name__}, not an object")
+    return header
 
 
 def _from_config(model_dir: Path, quantization_config: dict | None) -> list[ExpectedWeight]:
