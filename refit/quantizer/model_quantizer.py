@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from refit.errors import InvalidTensorError, PlanMismatchError
-from refit.quantizer.fp8_block import is_finite, loadable_form
+from refit.quantizer.fp8_block import is_finite, loadable_form, non_finite
 from refit.quantizer.scheme import Fp8BlockScheme
 
 __all__ = ["Fp8BlockQuantizer"]
@@ -58,5 +58,5 @@ class Fp8BlockQuantizer:
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:
     if not is_finite(tensor):
-        bad = int((~torch.isfinite(tensor)).sum())
+        bad = int(non_finite(tensor).sum())
         raise InvalidTensorError(f"{name}: {bad} of {tensor.numel()} values are NaN or Inf; refusing to send it")

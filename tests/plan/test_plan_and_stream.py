@@ -315,3 +315,16 @@ def test_empty_tensors_travel_even_in_a_bucket_of_their_own(quantize_on):
     assert received["model.layers.0.proj.weight_scale"].shape == (0, 2)
     assert received["model.layers.0.norm.empty"].shape == (0, 3)
     assert torch.equal(received["model.layers.0.norm.weight"], tensors["model.layers.0.norm.weight"])
+
+
+def test_an_fp8_tensor_the_rollout_takes_as_it_is_travels_and_a_nan_in_it_is_refused_by_name():
+    """Found: the check of every tensor for NaN/Inf before the first bucket called torch.isfinite, which has no
+    float8 kernel: `NotImplementedError: "isfinite" not implemented for 'Float8_e4m3fn'`, naming no tensor."""
+    codes = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    meta = TensorMeta("model.layers.0.norm.codes", (4, 8), "float8_e4m3fn", ("LayerNorm", "Module"))
+    plan = make_plan([meta], RolloutModelInfo(None, False), config(1 << 20)).for_sync(new_sync_key())
+    received = dict(t for b in produce_buckets(plan, {meta.name: codes}.__getitem__) for t in loadable_tensors(plan, b))
+    assert torch.equal(received[meta.name].view(torch.uint8), codes.view(torch.uint8))
+    codes.view(torch.uint8)[2, 3] = 0xFF  # -NaN
+    with pytest.raises(InvalidTensorError, match=r"model\.layers\.0\.norm\.codes: holds NaN or Inf"):
+        next(produce_buckets(plan, {meta.name: codes}.__getitem__))
