@@ -38,6 +38,8 @@ from refit.transport.buckets import wire_dtype_problem
 __all__ = ["DRAFT_PREFIX", "TIED_HEAD", "PlannedTensor", "RolloutModelInfo", "TransferPlan", "bucket_bound",
            "layer_key", "make_plan"]
 
+_QUANTIZABLE = tuple(str(dtype).removeprefix("torch.") for dtype in SUPPORTED_DTYPES)
+
 TIED_HEAD = "lm_head.weight"
 """The name a rollout that ties its embeddings loads its output head under: planned as a copy of the embedding."""
 
@@ -364,8 +366,11 @@ def _planned(sources: Sequence[TensorMeta], rollout_model: RolloutModelInfo, con
         if quantize and len(meta.shape) != 2:
             problems.append(f"{named(target)}: {model} expects it FP8_BLOCK-quantized, but its shape is {meta.shape}, "
                             "not 2-D")
-        if quantize and getattr(torch, meta.dtype, None) not in SUPPORTED_DTYPES:
-            problems.append(f"{named(target)}: dtype {meta.dtype} cannot be FP8_BLOCK-quantized")
+        # By torch's own name, as the trainer's tensors are checked against the plan: an alias ("float", "half")
+        # passed here and refused every sync as "the model changed".
+        if quantize and meta.dtype not in _QUANTIZABLE:
+            problems.append(f"{named(target)}: dtype {meta.dtype} cannot be FP8_BLOCK-quantized; expected one of "
+                            f"{', '.join(_QUANTIZABLE)}")
         elif not quantize and (problem := wire_dtype_problem(named(target), meta.dtype)):
             problems.append(problem)
         block = quantizer.scheme.block if quantize else None

@@ -328,3 +328,14 @@ def test_an_fp8_tensor_the_rollout_takes_as_it_is_travels_and_a_nan_in_it_is_ref
     codes.view(torch.uint8)[2, 3] = 0xFF  # -NaN
     with pytest.raises(InvalidTensorError, match=r"model\.layers\.0\.norm\.codes: holds NaN or Inf"):
         next(produce_buckets(plan, {meta.name: codes}.__getitem__))
+
+
+@pytest.mark.parametrize("dtype", ["float", "half"])
+def test_a_dtype_alias_on_a_quantized_weight_is_refused_when_planned_not_at_every_sync(dtype):
+    """Found: torch's aliases passed the plan, and every sync was then refused as "the model changed since the plan
+    was made" (the trainer's tensors are checked by torch's own names, float32 and float16)."""
+    metas = [m if not m.name.endswith("q_proj.weight") else dataclasses.replace(m, dtype=dtype)
+             for m in describe_weights(trainer_model(tied=False))]
+    with pytest.raises(InvalidTensorError, match=rf"model\.layers\.0\.self_attn\.q_proj\.weight: dtype {dtype} cannot be "
+                                                 "FP8_BLOCK-quantized; expected one of bfloat16, float16, float32"):
+        make_plan(metas, rollout_model(False, True), config(1 << 20))
