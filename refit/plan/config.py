@@ -20,6 +20,9 @@ from refit.transport.kinds import TransportKind, transport_kind
 __all__ = ["Delta", "Draft", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
 _LONGEST_WAIT_S = 7 * 24 * 3600  # SyncConfig's deadlines; beyond a week a deadline is no deadline
+# Beyond this a window bounds nothing, and what is sized by it is not: the shm transport's ring of 2n + 2 files (a
+# list of that length, allocated at the first sync) and Ray's backpressure count (a C long: 2**63 overflowed it).
+_MOST_BUCKETS_IN_FLIGHT = 1 << 16
 
 
 class Verify(StrEnum):
@@ -204,7 +207,7 @@ class SyncConfig:
             except ConfigError as error:
                 problems.append(str(error))
         _check_positive_int(problems, "bucket_bytes", self.bucket_bytes)
-        _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight)
+        _check_positive_int(problems, "max_buckets_in_flight", self.max_buckets_in_flight, most=_MOST_BUCKETS_IN_FLIGHT)
         _check_positive_int(problems, "min_replicas", self.min_replicas)
         if self.on_probe_breach not in ("fail", "flag"):
             problems.append(f"on_probe_breach={self.on_probe_breach!r}: expected 'fail' or 'flag'")
@@ -238,9 +241,11 @@ def coerce_enum(enum: type[StrEnum], value: Any, setting: str) -> Any:
         raise ConfigError(f"{setting}={value!r}: expected one of {[m.value for m in enum]}") from None
 
 
-def _check_positive_int(problems: list[str], name: str, value: Any) -> None:
+def _check_positive_int(problems: list[str], name: str, value: Any, *, most: int | None = None) -> None:
     # bool is an int to Python, and "64MB" or 1.5 would fail far from here.
     if isinstance(value, bool) or not isinstance(value, int):
         problems.append(f"{name}={value!r}: expected a positive int, got {type(value).__name__}")
     elif value <= 0:
         problems.append(f"{name}={value!r}: expected a positive int")
+    elif most is not None and value > most:
+        problems.append(f"{name}={value!r}: expected a positive int, at most {most}")

@@ -38,6 +38,10 @@ def test_policies_are_accepted_as_strings_or_enums_alike():
     ({"timeout_s": float("inf")}, "timeout_s=inf: expected a positive number of seconds, at most 604800 (a week)"),
     ({"startup_timeout_s": 1e308}, "startup_timeout_s=1e+308: expected a positive number of seconds, at most"),
     ({"max_buckets_in_flight": 0}, "max_buckets_in_flight=0"),
+    # Found: accepted, then the shm ring allocated a list of 2n + 2 files (16 GB for 10**9) and Ray's stream
+    # overflowed a C long at 2**63, naming nothing.
+    ({"max_buckets_in_flight": 10**9}, "max_buckets_in_flight=1000000000: expected a positive int, at most 65536"),
+    ({"max_buckets_in_flight": 2**63}, "max_buckets_in_flight=9223372036854775808: expected a positive int, at most"),
     ({"metrics_tag": ""}, "metrics_tag='': expected a non-empty str"),
     ({"metrics_tag": 3}, "metrics_tag=3: expected a non-empty str"),
 ])
