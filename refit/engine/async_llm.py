@@ -46,7 +46,7 @@ from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
 from refit.engine.worker_rpc import TYPED_CALL, refuse_engine_without_refit, results_of
-from refit.errors import EngineHungError, ReplicaRefusingError, SyncTimeoutError
+from refit.errors import EngineGoneError, EngineHungError, ReplicaRefusingError, SyncTimeoutError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -217,6 +217,11 @@ class AsyncLLMAdapter:
             future.cancel()
             raise EngineHungError(f"the AsyncLLM's engine did not answer within {self.timeout_s:.0f} s "
                                   "(SyncConfig.timeout_s); it is hung or overloaded") from None
+        except Exception as error:
+            # vLLM's EngineDeadError names nothing a fleet knows: as `EngineGoneError` the Syncer drops this replica.
+            if (gone := self.gone()) is not None:
+                raise EngineGoneError(gone) from error
+            raise
 
     # -- requests (on the loop) ---------------------------------------------------------
     async def serve(self, prompt: Sequence[int], max_tokens: int, core: ReplicaCore, *,
@@ -284,7 +289,9 @@ class AsyncLLMAdapter:
 
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
-        return None  # its transport is all it can refuse (`transport_refusal`), and the core asks that
+        """Refuse an engine whose core died (its transport: `transport_refusal`), before requests are held."""
+        if (gone := self.gone()) is not None:
+            raise EngineGoneError(gone)
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process:
@@ -315,7 +322,11 @@ class AsyncLLMAdapter:
         return spec_decode_counts(self.facts)
 
     def gone(self) -> str | None:
-        return None  # its engine lives and dies with this process
+        # Its engine core runs in a process of its own, which can die while this actor lives on.
+        if self.llm.errored:
+            return ("its AsyncLLM's engine core died (vLLM's EngineDeadError), so it can never serve again; start a "
+                    "new AsyncLLM in a new actor and add that with Syncer.add_replica")
+        return None
 
     def mark_version(self, version: int) -> None:
         pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted

@@ -19,6 +19,8 @@ parametrized over the replica kinds, never a new engine per test.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -26,8 +28,15 @@ import refit
 from fixtures import NEW_TOKENS, make_prompts, model_dir
 from refit import Phase
 from tests.conftest import TEST_KV_CACHE_BYTES
+from tests.support.actors import run_in
 from tests.support.lora import LORA
-from tests.support.user_engines import LORA_RANK, UserAsyncLLMRollout, UserLLMRollout, replica_of_an_engine_without_refit
+from tests.support.user_engines import (
+    LORA_RANK,
+    UserAsyncLLMRollout,
+    UserLLMRollout,
+    kill_engine_core,
+    replica_of_an_engine_without_refit,
+)
 
 KINDS = ["llm", "async_llm"]
 PROMPTS = make_prompts(4, 8, seed=5)
@@ -136,3 +145,23 @@ def test_an_engine_started_without_refits_arguments_is_refused_naming_them(ray_c
     assert message.startswith("this engine was not started with refit.engine_kwargs() merged into its arguments: "
                               "worker_extension_cls is ''"), message
     assert "weight_transfer_config's backend is " in message and "not 'refit'" in message
+
+
+def test_an_async_llm_whose_engine_core_died_refuses_naming_it_and_a_sync_drops_it(replicas, module_actors):
+    """Regression: with its engine core process dead the replica said it served its version, and a sync failed whole on vLLM's
+    bare EngineDeadError, naming no replica, instead of dropping it and syncing the others."""
+    trainer, kinds, _ = replicas
+    doomed = _user(UserAsyncLLMRollout, 1, str(model_dir(True, "fp8_block")), module_actors)
+    with refit.Syncer(trainer, [kinds["llm"], doomed]) as syncer:
+        syncer.sync()
+        assert run_in(doomed, kill_engine_core) > 0
+        deadline = time.monotonic() + 60  # vLLM's monitor thread notices the death
+        while (status := ray.get(doomed.status.remote(), timeout=60)).phase is Phase.SERVING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status.phase is Phase.REFUSING and "engine core died" in status.reason, status
+        with pytest.raises(refit.ReplicaRefusingError, match="engine core died"):
+            ray.get(doomed.generate.remote(PROMPTS[:1], NEW_TOKENS), timeout=60)
+        report = syncer.sync()
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(1, "begin", "died")], report.summary()
+    assert "engine core died" in report.dropped[0].error
+    assert ray.get(kinds["llm"].status.remote(), timeout=60).served_version == report.version
