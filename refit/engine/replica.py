@@ -39,7 +39,14 @@ from refit.adapters import AdapterSlots, AdapterWeights, ServedAdapter, check_ad
 from refit.engine.facts import EngineFacts
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus, UpdateLifecycle
 from refit.engine.worker_rpc import WorkerCalls
-from refit.errors import ConfigError, InvalidTensorError, LifecycleError, PlanMismatchError, VerificationError
+from refit.errors import (
+    ConfigError,
+    InvalidTensorError,
+    LifecycleError,
+    PlanMismatchError,
+    SyncTimeoutError,
+    VerificationError,
+)
 from refit.plan.config import Pause, SyncConfig, Verify
 from refit.plan.data_path import loadable_tensors
 from refit.plan.transfer_plan import RolloutModelInfo, TransferPlan
@@ -159,6 +166,10 @@ class ReplicaCore:
         self.workers = WorkerCalls(engine.call_workers)
         self.lifecycle = UpdateLifecycle(refusal=self.facts.initial_refusal)
         self._lock = threading.Lock()  # update steps vs the watchdog
+        # A user's actor with max_concurrency > 1 may start two of a sync's load_bucket calls in either order, and a
+        # transport that reads ahead must take its buckets in the order they were sent (`_await_turn`).
+        self._turn = threading.Condition(self._lock)
+        self._next_bucket = 0  # of the open update: the index of the bucket whose turn it is
         self._open: tuple[TransferPlan, SyncConfig] | None = None  # of the update the lifecycle holds open
         self._progress = {"buckets": 0, "load_seconds": 0.0}  # of the open (or last) update
         self._last_update: dict | None = None  # what `refit inspect` shows
@@ -266,6 +277,7 @@ class ReplicaCore:
                     self.engine.release_requests()
                 raise
             self._progress = {"buckets": 0, "load_seconds": 0.0, "bytes_received": 0}
+            self._next_bucket = 0
             try:
                 self.engine.pause(config.pause, config.timeout_s)
                 self._begin_base(config)
@@ -292,13 +304,20 @@ class ReplicaCore:
             self.lifecycle.renew(sync_id, "load_bucket")
             plan, config = self._open
             self._digest = None  # the base changes from here until the update is served
+            index: int | None = None  # where the order matters: this bucket's, once it is its turn
             try:
+                if config.transport_kind.traits.reads_ahead:
+                    index = self._await_turn(sync_id, bucket, config.timeout_s)
                 seconds = config.transport_kind.deliver(bucket, next_bucket_bytes, _BucketLoad(self, sync_id, version, plan, config),
                                                         config.timeout_s)
             except BaseException as error:
                 refused = isinstance(error, (VerificationError, InvalidTensorError, PlanMismatchError))
                 self._close(sync_id, f"loading a bucket failed: {error}", model_changed=self._loaded_anything() if refused else None)
                 raise
+            finally:
+                if index is not None and self.lifecycle.open_update() == sync_id:
+                    self._next_bucket = max(self._next_bucket, index + 1)
+                    self._turn.notify_all()
             self._progress["buckets"] += 1
             self._progress["load_seconds"] += seconds
             return seconds
@@ -519,10 +538,28 @@ class ReplicaCore:
         thresholds = thresholds_for(self.facts.model_info.quantization_config is not None, self.facts.fp8_kv_cache)
         return compare([row[1:] for row in scored.prompt_logprobs], request.reference, thresholds)
 
+    def _await_turn(self, sync_id: str, bucket: list[BucketContents], timeout_s: float) -> int:
+        """Wait, within `timeout_s`, until every bucket before this one is loaded; returns its index. The caller holds
+        the lock.
+
+        Why: over a transport that reads ahead each worker posts its receives
+        in bucket order, to meet the trainer's broadcasts in the order they
+        were sent; a bucket taken out of turn receives another's bytes (a
+        refused tag, or an aborted process where sizes differ).
+        """
+        index = min(part.index for part in bucket)
+        if not self._turn.wait_for(lambda: index <= self._next_bucket or self.lifecycle.open_update() != sync_id,
+                                   timeout=timeout_s):
+            raise SyncTimeoutError(f"bucket {index} arrived, but bucket {self._next_bucket} before it was not loaded within "
+                                   f"{timeout_s:.0f} s (SyncConfig.timeout_s)")
+        self.lifecycle.renew(sync_id, "load_bucket")  # the update may have closed while this call waited
+        return index
+
     def _close(self, sync_id: str, reason: str, *, model_changed: bool | None = None) -> ReplicaStatus:
         """Close `sync_id`'s update after a failure (a no-op unless it is the open one); the caller holds the lock."""
         if self.lifecycle.open_update() != sync_id:
             return self.lifecycle.status()
+        self._turn.notify_all()  # loads waiting for their turn (`_await_turn`) find the update closed
         self._open = None
         self._digest = None
         self._base.abort()  # the workers' base: their `abandon_update`

@@ -10,6 +10,7 @@ requests the open update holds, and the lease watchdog.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -226,4 +227,36 @@ def test_an_update_whose_release_fails_is_not_reported_served():
     status = core.status()
     assert status.phase is Phase.REFUSING and "releasing the requests held for the update failed" in status.reason
     assert engine.calls.count("release_requests") == 2 and engine.calls[-1] == "release_requests"  # now as refusing
+    core.close()
+
+
+class ReceivingEngine(RecordingEngine):
+    """Workers that receive each bucket over the transport (as over `collective`): records the indexes in turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[int] = []
+
+    def call_workers(self, method: str, *args):
+        if method == "update_weights" and "contents" in args[0]:
+            self.received += [part[0] for part in args[0]["contents"]]  # `BucketContents.to_plain`: the index first
+            return [None]
+        return super().call_workers(method, *args)
+
+
+def test_buckets_of_a_transport_that_reads_ahead_reach_the_workers_in_order_whatever_order_the_calls_start_in():
+    """Found attacking a user's own actor: with `max_concurrency` > 1 (nothing in docs/own-engine.md forbids it) Ray
+    ran a sync's two load_bucket calls in flight in either order; over `collective` a worker then received bucket 2's
+    broadcast into bucket 3's receive: a refused tag, then gloo aborting the actor's process on the size mismatch."""
+    engine = ReceivingEngine()
+    core, plan, config, buckets = _setup(engine, transport="collective", delta="off")
+    assert len(buckets) >= 2
+    version = core.begin_update(plan, "s1", config)
+    second = threading.Thread(target=core.load_bucket, args=("s1", version, [buckets[1].contents()], [None]))
+    second.start()  # first, as Ray may start it
+    second.join(timeout=1)  # on its own it would load at once
+    core.load_bucket("s1", version, [buckets[0].contents()], [buckets[1].nbytes])
+    second.join(timeout=30)
+    assert not second.is_alive()
+    assert engine.received == [0, 1]
     core.close()
