@@ -41,7 +41,7 @@ from typing import Any
 from refit.adapters import AdapterWeights, ServedAdapter
 from refit.engine.config import EngineConfig
 from refit.engine.lifecycle import FinishedUpdate, Phase, ReplicaStatus
-from refit.engine.llm import checked_before_start
+from refit.engine.llm import checked_before_start, core_died, gone_if_core_died
 from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, ReplicaObservation, delegate_to_replica
 from refit.engine.spec_decode import spec_decode_counts
@@ -212,16 +212,12 @@ class AsyncLLMAdapter:
         """
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:  # a margin over the deadline, so that a step's own deadline (the drain's) is the one that fires
-            return future.result(timeout=self.timeout_s + _RUN_MARGIN_S)
+            with gone_if_core_died(self.llm.engine_core):
+                return future.result(timeout=self.timeout_s + _RUN_MARGIN_S)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise EngineHungError(f"the AsyncLLM's engine did not answer within {self.timeout_s:.0f} s "
                                   "(SyncConfig.timeout_s); it is hung or overloaded") from None
-        except Exception as error:
-            # vLLM's EngineDeadError names nothing a fleet knows: as `EngineGoneError` the Syncer drops this replica.
-            if (gone := self.gone()) is not None:
-                raise EngineGoneError(gone) from error
-            raise
 
     # -- requests (on the loop) ---------------------------------------------------------
     async def serve(self, prompt: Sequence[int], max_tokens: int, core: ReplicaCore, *,
@@ -290,8 +286,8 @@ class AsyncLLMAdapter:
     # -- the core's calls (from its update thread) -----------------------------------------
     def check(self, config: SyncConfig) -> None:
         """Refuse an engine whose core died (its transport: `transport_refusal`), before requests are held."""
-        if (gone := self.gone()) is not None:
-            raise EngineGoneError(gone)
+        if (died := self.gone()) is not None:
+            raise EngineGoneError(died)
 
     def transport_refusal(self, kind: TransportKind) -> str | None:
         if kind.traits.needs_core_in_process:
@@ -322,11 +318,7 @@ class AsyncLLMAdapter:
         return spec_decode_counts(self.facts)
 
     def gone(self) -> str | None:
-        # Its engine core runs in a process of its own, which can die while this actor lives on.
-        if self.llm.errored:
-            return ("its AsyncLLM's engine core died (vLLM's EngineDeadError), so it can never serve again; start a "
-                    "new AsyncLLM in a new actor and add that with Syncer.add_replica")
-        return None
+        return core_died(self.llm.engine_core)
 
     def mark_version(self, version: int) -> None:
         pass  # each `Completion` is tagged by the replica itself, with the version served when it was admitted

@@ -28,18 +28,41 @@ from refit.engine.lora import lora_rank_of
 from refit.engine.replica import EngineFacts, Generation, ReplicaCore, Serving
 from refit.engine.spec_decode import spec_decode_counts
 from refit.engine.worker_rpc import TYPED_CALL, refuse_engine_without_refit, results_of
-from refit.errors import ConfigError, EngineError
+from refit.errors import ConfigError, EngineError, EngineGoneError
 from refit.import_heap import collector_paused, freeze_import_heap
 from refit.plan.config import Pause, SyncConfig
 from refit.tokens import token_prompts
 from refit.transport.kinds import TransportKind
 
-__all__ = ["LLMAdapter", "llm_replica", "start_llm"]
+__all__ = ["LLMAdapter", "core_died", "gone_if_core_died", "llm_replica", "start_llm"]
 
 # What a CPU engine process needs beside its weights and KV cache (Python,
 # torch, vLLM, warm-up buffers), with a margin over what the tiny fixtures'
 # engines take (docs/cpu.md).
 _CPU_ENGINE_OVERHEAD_BYTES = 1 << 30
+
+
+CORE_DIED = ("its engine core process died (vLLM's EngineDeadError), so it can never serve again; start a new engine "
+             "in a new actor and add that with Syncer.add_replica")
+
+
+def core_died(engine_core: Any) -> str | None:
+    """`CORE_DIED` if vLLM's client `engine_core` saw its core's process die, else None (a core in this process dies
+    with it: never). A core of its own (an `AsyncLLM`'s, or VLLM_ENABLE_V1_MULTIPROCESSING=1) can die while the
+    replica's actor lives on."""
+    return CORE_DIED if getattr(getattr(engine_core, "resources", None), "engine_dead", False) else None
+
+
+@contextmanager
+def gone_if_core_died(engine_core: Any) -> Iterator[None]:
+    """A call on the engine that failed because its core died raises `EngineGoneError`: vLLM's EngineDeadError names
+    no replica, and a fleet drops a gone one by name and syncs the others."""
+    try:
+        yield
+    except Exception as error:
+        if (died := core_died(engine_core)) is not None:
+            raise EngineGoneError(died) from error
+        raise
 
 
 def start_llm(config: EngineConfig) -> Any:
@@ -88,6 +111,8 @@ class LLMAdapter:
         self.worker_calls_beside_requests = False
 
     def check(self, config: SyncConfig) -> None:
+        if (died := self.gone()) is not None:
+            raise EngineGoneError(died)
         if config.pause is not Pause.WAIT:
             raise ConfigError(
                 f"pause={str(config.pause)!r}: a vllm.LLM replica serves whole batches and always waits for them; "
@@ -104,10 +129,12 @@ class LLMAdapter:
     def call_workers(self, method: str, *args: Any) -> list:
         if self._workers_in_process:
             return self.llm.collective_rpc(method, args=args)
-        return results_of(self.llm.collective_rpc(TYPED_CALL, args=(method, *args)))
+        with gone_if_core_died(self.llm.llm_engine.engine_core):
+            return results_of(self.llm.collective_rpc(TYPED_CALL, args=(method, *args)))
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        with gone_if_core_died(self.llm.llm_engine.engine_core):
+            self.llm.reset_prefix_cache()
 
     # Requests are the lifecycle's: `generate` runs inside `ReplicaCore.request()`, and the
     # update's begin has waited for every one in flight before it returns. Nothing to pause.
@@ -130,7 +157,7 @@ class LLMAdapter:
         return spec_decode_counts(self.facts)
 
     def gone(self) -> str | None:
-        return None  # its engine lives and dies with this process
+        return core_died(self.llm.llm_engine.engine_core)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *, prompt_logprobs: bool = False,
@@ -147,8 +174,9 @@ class LLMAdapter:
         )
         adapter = None if serving is None else serving.adapter
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in checked], params, use_tqdm=False,
-                                        lora_request=None if adapter is None else adapter.lora_request())
+            with gone_if_core_died(self.llm.llm_engine.engine_core):
+                outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in checked], params, use_tqdm=False,
+                                            lora_request=None if adapter is None else adapter.lora_request())
         except BaseException:
             self._abort_unfinished()
             raise

@@ -147,21 +147,30 @@ def test_an_engine_started_without_refits_arguments_is_refused_naming_them(ray_c
     assert "weight_transfer_config's backend is " in message and "not 'refit'" in message
 
 
-def test_an_async_llm_whose_engine_core_died_refuses_naming_it_and_a_sync_drops_it(replicas, module_actors):
-    """Regression: with its engine core process dead the replica said it served its version, and a sync failed whole on vLLM's
-    bare EngineDeadError, naming no replica, instead of dropping it and syncing the others."""
+def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops_it(replicas, module_actors):
+    """Regression: with its engine core's own process dead (an AsyncLLM's, or a vllm.LLM's with
+    VLLM_ENABLE_V1_MULTIPROCESSING=1) the replica said it served its version, and a sync failed whole on vLLM's bare
+    EngineDeadError, naming no replica, instead of dropping it and syncing the others."""
     trainer, kinds, _ = replicas
-    doomed = _user(UserAsyncLLMRollout, 1, str(model_dir(True, "fp8_block")), module_actors)
-    with refit.Syncer(trainer, [kinds["llm"], doomed]) as syncer:
+    model = str(model_dir(True, "fp8_block"))
+    own_core = {"runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}}
+    doomed = [_user(UserAsyncLLMRollout, 1, model, module_actors),
+              module_actors.keep(UserLLMRollout.options(num_cpus=0, resources={"node1": 0.01}, **own_core).remote(model))]
+    with refit.Syncer(trainer, [kinds["llm"], *doomed]) as syncer:
         syncer.sync()
-        assert run_in(doomed, kill_engine_core) > 0
-        deadline = time.monotonic() + 60  # vLLM's monitor thread notices the death
-        while (status := ray.get(doomed.status.remote(), timeout=60)).phase is Phase.SERVING and time.monotonic() < deadline:
+        for replica in doomed:
+            assert run_in(replica, kill_engine_core) > 0
+        deadline = time.monotonic() + 60  # vLLM's monitor thread notices a death
+        while (statuses := [ray.get(r.status.remote(), timeout=60) for r in doomed]) and time.monotonic() < deadline:
+            if all(s.phase is Phase.REFUSING for s in statuses):
+                break
             time.sleep(0.2)
-        assert status.phase is Phase.REFUSING and "engine core died" in status.reason, status
-        with pytest.raises(refit.ReplicaRefusingError, match="engine core died"):
-            ray.get(doomed.generate.remote(PROMPTS[:1], NEW_TOKENS), timeout=60)
+        for status in statuses:
+            assert status.phase is Phase.REFUSING and "engine core process died" in status.reason, status
+        with pytest.raises(refit.ReplicaRefusingError, match="engine core process died"):
+            ray.get(doomed[0].generate.remote(PROMPTS[:1], NEW_TOKENS), timeout=60)
         report = syncer.sync()
-    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(1, "begin", "died")], report.summary()
-    assert "engine core died" in report.dropped[0].error
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(1, "begin", "died"), (2, "begin", "died")], \
+        report.summary()
+    assert all("engine core process died" in d.error for d in report.dropped)
     assert ray.get(kinds["llm"].status.remote(), timeout=60).served_version == report.version
