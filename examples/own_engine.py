@@ -25,11 +25,13 @@ import refit
 from actors import TrainerActor
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"serve": 1})
 class MyRollout(refit.ReplicaMethods):
     """A rollout actor as an RL framework writes it: its engine, its arguments, its generate.
 
-    `refit.ReplicaMethods` adds the methods `refit.Syncer` calls, each handed to `self.replica`.
+    `refit.ReplicaMethods` adds the methods `refit.Syncer` calls, each handed to `self.replica`; they run in Ray's
+    default concurrency group, and `generate` in a group of its own, so a request held during a sync never holds
+    the thread the sync's next step needs.
     """
 
     def __init__(self, model_dir: str) -> None:
@@ -40,6 +42,7 @@ class MyRollout(refit.ReplicaMethods):
                        enforce_eager=True, skip_tokenizer_init=True, **refit.engine_kwargs())
         self.replica = refit.llm_replica(self.llm)
 
+    @ray.method(concurrency_group="serve")
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         from vllm import SamplingParams
 

@@ -22,9 +22,10 @@ LORA_RANK = 8
 """What tests/sync/test_user_engines.py starts them with: serving LoRA adapters too (`refit.engine_kwargs(lora_rank=...)`)."""
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"serve": 1})
 class UserLLMRollout(refit.ReplicaMethods):
-    """A threaded actor with an in-process `vllm.LLM` (one request batch at a time)."""
+    """A threaded actor with an in-process `vllm.LLM` (one request batch at a time, in a concurrency group of its own,
+    as docs/own-engine.md says)."""
 
     def __init__(self, model_dir: str, lora_rank: int | None = None) -> None:
         """`lora_rank`: serve LoRA adapters up to that rank too (docs/lora.md)."""
@@ -34,6 +35,7 @@ class UserLLMRollout(refit.ReplicaMethods):
         self.llm = LLM(model=model_dir, **ENGINE, **refit.engine_kwargs(lora_rank=lora_rank))
         self.replica = refit.llm_replica(self.llm)
 
+    @ray.method(concurrency_group="serve")
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 

@@ -19,6 +19,7 @@ parametrized over the replica kinds, never a new engine per test.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -174,3 +175,35 @@ def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops
         report.summary()
     assert all("engine core process died" in d.error for d in report.dropped)
     assert ray.get(kinds["llm"].status.remote(), timeout=60).served_version == report.version
+
+
+def test_requests_arriving_during_syncs_neither_stall_them_nor_fail(replicas):
+    """Found following docs/own-engine.md literally: its actor ran every call in Ray's one default thread, so a request
+    that arrived during a sync waited for the update on the thread the update's next step needed, and every sync under
+    load missed its deadline. The documented actor now serves in a concurrency group of its own."""
+    trainer, kinds, _ = replicas
+    replica = kinds["llm"]
+    stop, answered, failed = threading.Event(), [], []
+
+    def requests() -> None:
+        while not stop.is_set():
+            try:
+                answered.append(ray.get(replica.generate.remote(PROMPTS, NEW_TOKENS), timeout=120))
+            except Exception as error:  # noqa: BLE001 - asserted below
+                failed.append(error)
+
+    callers = [threading.Thread(target=requests, daemon=True) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    try:
+        with refit.Syncer(trainer, replica, refit.SyncConfig(timeout_s=60)) as syncer:
+            for _ in range(3):
+                before = len(answered)
+                syncer.sync()
+                assert not failed, failed
+            assert len(answered) > before  # requests kept coming
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join(timeout=120)
+    assert failed == []
