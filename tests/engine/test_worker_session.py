@@ -37,6 +37,8 @@ def silent_engine_adapter(monkeypatch):
     import refit.engine.async_llm as async_llm
 
     class SilentEngine:
+        engine_core = None  # vLLM's client of its core, asked whether the core died: this one never does
+
         async def collective_rpc(self, *args, **kwargs):
             await asyncio.Event().wait()
 
