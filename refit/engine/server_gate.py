@@ -130,7 +130,15 @@ class RefitGate:
         sent = _header(scope, PASS_HOLD_HEADER)
         holder = sent is not None and self._passes_hold(sent)
         if _is_control(path):  # passes whatever it carries; only the holder's drive renews the hold
-            if holder and path.rstrip("/") in DRIVING_PATHS:
+            driving = path.rstrip("/") in DRIVING_PATHS
+            if driving and sent is not None and not holder:
+                # A replica whose hold lapsed (or was released) would drive the workers' update on: into another
+                # replica's update, once that one holds the server. A call without a token is a key holder's own.
+                await _answer(scope, send, 409, {"error": (
+                    f"this request's {PASS_HOLD_HEADER} names a hold this server no longer has (it lapsed, or was "
+                    "released): the replica that sent it no longer drives an update here; begin a new sync")})
+                return
+            if holder and driving:
                 self._renew_hold()
             await self.app(scope, receive, send)
             return

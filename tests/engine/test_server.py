@@ -730,6 +730,31 @@ def test_a_new_replica_takes_over_a_lapsed_hold_and_its_users_stay_refused_until
     asyncio.run(scenario())
 
 
+def test_a_replica_whose_hold_lapsed_cannot_drive_the_update_of_the_replica_that_holds_the_server_now(gate):
+    """Found by review: the gate passed every control call whatever hold token it carried, so a replica whose hold
+    lapsed (a stalled driver that comes back) drove the workers on, into the update of the replica that took the
+    server over (a load, a finish or an abandon of the other's update)."""
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        stale = (await _ask(refit_gate, "/refit/hold?lease_s=0.3"))[1]["pass_token"]
+        stale_header = [(PASS_HOLD_HEADER.encode(), stale.encode())]
+        await asyncio.sleep(0.6)
+        status, body = await _ask(refit_gate, "/refit/hold?lease_s=60")  # the other replica takes the server over
+        assert status == 200, body
+        mine = [(PASS_HOLD_HEADER.encode(), body["pass_token"].encode())]
+        app.reached.clear()
+        status, body = await _ask(refit_gate, "/collective_rpc", headers=stale_header)
+        assert status == 409 and "no longer has" in body["error"] and app.reached == [], body
+        assert (await _ask(refit_gate, "/collective_rpc", headers=mine))[0] == 200  # the holder's own
+        assert (await _ask(refit_gate, "/collective_rpc"))[0] == 200  # a key holder's call without a token
+        assert (await _ask(refit_gate, "/health", headers=stale_header))[0] == 200  # reads are no drive
+
+    asyncio.run(scenario())
+
+
 def test_a_key_with_a_secret_files_newline_is_sent_without_it_and_a_key_no_header_carries_is_refused_unprinted(
         monkeypatch):
     """A key read from a secret file often ends in a newline: the replica raised urllib's bare `ValueError: Invalid
