@@ -188,7 +188,7 @@ def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops
     model = str(model_dir(True, "fp8_block"))
     own_core = {"runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}}
     doomed = [_user(UserAsyncLLMRollout, 1, model, module_actors),
-              module_actors.keep(UserLLMRollout.options(num_cpus=0, resources={"node1": 0.01}, **own_core).remote(model))]
+              module_actors.keep(UserLLMRollout.options(num_cpus=0, resources={"node1": 0.01}, **own_core).remote(model, LORA_RANK))]
     with refit.Syncer(trainer, [kinds["llm"], *doomed]) as syncer:
         syncer.sync()
         for replica in doomed:
