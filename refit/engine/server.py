@@ -414,8 +414,10 @@ class ServerAdapter:
             query = "synced=1"
         else:
             query = "synced=0"
-        self._request("POST", f"/refit/release?{query}")
-        self._marked, self._pass_token = False, None
+        try:
+            self._request("POST", f"/refit/release?{query}")
+        finally:  # a hold's token kept past its release would make the gate refuse this replica's every drive call
+            self._marked, self._pass_token = False, None
 
     # -- the server's own state ---------------------------------------------------------
     def weight_version(self) -> str | None:

@@ -33,7 +33,8 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   a second replica of the same server cannot release users onto a model
   the first is loading. A lapsed hold may be taken over: the server then
   refuses (the dead replica's update may be half-loaded) until a sync is
-  released as verified;
+  released as verified. A drive call or a `/refit/release` carrying a
+  lapsed (or released) hold's token is refused 409 whoever holds now;
 - a replica that refuses after a failed sync (its model a mix of two
   versions) releases the hold as refusing: generation routes then answer
   503 with its reason, until a sync is released as verified. Whoever routes
@@ -194,6 +195,12 @@ class RefitGate:
         holder = sent is not None and self._passes_hold(sent)
         if verb == "POST" and holder:
             self._renew_hold()
+        if verb == "POST" and path == "/refit/release" and sent is not None and not holder:
+            # As on the drive routes: a replica whose hold lapsed would release users (as synced, even) onto the model
+            # of the replica that holds, or held, the server since.
+            return 409, {"error": (
+                f"this request's {PASS_HOLD_HEADER} names a hold this server no longer has (it lapsed, or was "
+                "released): the replica that sent it no longer holds users here")}
         if verb == "POST" and path in ("/refit/hold", "/refit/release") and self._held and not holder:
             # Another replica's hold: while it lives, its update may be loading; once lapsed, the server refuses.
             left = self._hold_deadline - time.monotonic()

@@ -776,3 +776,42 @@ def test_a_key_with_a_secret_files_newline_is_sent_without_it_and_a_key_no_heade
     with pytest.raises(ConfigError, match="--api-key holds a control character") as refused:
         serve_key(["m", "--api-key", "s3cret\rkey"], {})
     assert "s3cret" not in str(refused.value)
+
+
+def test_a_replica_whose_hold_lapsed_cannot_release_users_onto_the_model_another_replica_left_half_loaded(gate):
+    """Found by review: the gate refused a lapsed hold's token on the drive routes but took it on `/refit/release`, so a
+    stalled replica that came back released users as synced (`synced=1`) onto the model of the replica that took the
+    server over and failed mid-load, clearing that one's refusal."""
+    from refit.engine.server_gate import PASS_HOLD_HEADER
+
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        stale = (await _ask(refit_gate, "/refit/hold?lease_s=0.3"))[1]["pass_token"]
+        await asyncio.sleep(0.6)
+        status, body = await _ask(refit_gate, "/refit/hold?lease_s=60")  # another replica takes the server over
+        mine = [(PASS_HOLD_HEADER.encode(), body["pass_token"].encode())]
+        await _ask(refit_gate, "/refit/release?refusing=half-loaded", headers=mine)  # and fails mid-load
+        status, body = await _ask(refit_gate, "/refit/release?synced=1",
+                                  headers=[(PASS_HOLD_HEADER.encode(), stale.encode())])
+        assert status == 409 and "no longer has" in body["error"], body
+        status, body = await _ask(refit_gate, "/v1/completions")
+        assert status == 503 and "half-loaded" in body["error"], body
+
+    asyncio.run(scenario())
+
+
+def test_a_release_that_fails_still_forgets_the_holds_token():
+    """A token kept after a failed release (refused once its hold lapsed, or a timeout) went with every later call:
+    the gate refuses a lapsed hold's token on the drive routes, so the replica's own look at its workers failed and it
+    was shown gone."""
+    server = _Recorder(lambda path, _: (200, {}, b'{"pass_token": "t"}') if path.startswith("/refit/hold")
+                       else (409, {}, b'{"error": "no longer has"}'))
+    try:
+        adapter = _adapter(server.url)
+        adapter.hold_requests(10.0)
+        with pytest.raises(ServerError):
+            adapter.release_requests("failed")
+    finally:
+        server.close()
+    assert adapter._pass_token is None and adapter._marked is False
