@@ -99,6 +99,8 @@ class MergedLora:
             self._metas.append(merged)
 
     def metadata(self) -> list[TensorMeta]:
+        if self._view.outdated() or _active_adapter(self._model) != self._adapter:  # as `_current_source`, whole
+            self._read()
         return list(self._metas)
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -110,3 +110,16 @@ def test_a_rollout_that_serves_lora_is_planned_the_base_unmerged_which_is_what_p
     assert not make_plan(merged.metadata(), RolloutModelInfo(None, False), SyncConfig()).lora_served
     with pytest.raises(ConfigError, match="LoRA on or off"):  # one plan cannot serve both kinds
         check_same_model([("replica 0", lora), ("replica 1", RolloutModelInfo(None, False))])
+
+
+def test_the_metadata_describes_what_the_model_holds_now_as_its_tensors_do():
+    """Found by review: `tensor` re-read a model changed since merge mode was made, `metadata` did not, so a new plan
+    (what a refused sync says to make) described the old base again, and the same tensors were refused again."""
+    model = peft_model()
+    merged = MergedLora(model)
+    merged.metadata()
+    replaced = {name: value.float() for name, value in model.state_dict().items() if ".lora_" not in name}
+    model.load_state_dict(replaced, strict=False, assign=True)
+    described = {m.name: m.dtype for m in merged.metadata()}
+    assert {name: str(merged.unmerged(name).dtype).removeprefix("torch.") for name in described} == described
+    assert set(described.values()) == {"float32"}
