@@ -260,11 +260,13 @@ class ReplicaCore:
                           max_model_len=self.facts.max_model_len)
         if (refusal := self.engine.transport_refusal(config.transport_kind)) is not None:  # before requests are held
             raise ConfigError(refusal)
-        if config.verify is Verify.PROBE and self.engine.lora_rank is not None and self.facts.device == "cpu":
+        if config.verify is Verify.PROBE and self.facts.model_info.serves_lora and self.facts.device == "cpu":
             # vLLM's CPU LoRA kernels map the logits by request, not by token, and fail on prompt logprobs: the probe
-            # would fail after every weight loaded and leave the replica refusing.
-            raise ConfigError("verify='probe' on a CPU replica with LoRA on (EngineConfig.lora_rank): vLLM's CPU LoRA "
-                              "path cannot score prompt logprobs (add_lora_logits fails); sync with verify='checksums'")
+            # would fail after every weight loaded and leave the replica refusing. Asked of the engine's facts, not of
+            # `lora_rank`: a server with LoRA on installs no adapter of refit's, and applies LoRA all the same.
+            raise ConfigError("verify='probe' on a CPU replica with LoRA on (EngineConfig.lora_rank, vLLM's "
+                              "--enable-lora): vLLM's CPU LoRA path cannot score prompt logprobs (add_lora_logits "
+                              "fails); sync with verify='checksums'")
         self.engine.check(config)
         with self._lock:
             holds = self.lifecycle.open_update() is None  # a rival sync's update keeps its own hold; begin refuses it

@@ -399,7 +399,7 @@ def test_a_cpu_replica_with_lora_on_refuses_verify_probe_before_its_update_opens
     engine = LoraEngine()
     engine.facts = replace(engine.facts, model_info=replace(engine.facts.model_info, vocab_size=64, serves_lora=True))
     replica = lora_replica(engine)
-    with pytest.raises(ConfigError, match=r"verify='probe' on a CPU replica with LoRA on \(EngineConfig\.lora_rank\)"):
+    with pytest.raises(ConfigError, match=r"verify='probe' on a CPU replica with LoRA on \(EngineConfig\.lora_rank"):
         Syncer(ScoringLoraTrainer(tiny_decoder()), [replica], replace(CONFIG, verify="probe")).sync()
     assert replica.status().phase is Phase.SERVING and replica.lifecycle.open_update() is None
 
@@ -428,3 +428,23 @@ def test_the_probe_of_a_rollout_that_serves_lora_is_the_trainers_base_alone():
     replicas = [LoraRollout(expected_names(model))]
     Syncer(AdaptedTrainer(model), replicas, replace(CONFIG, verify="probe")).sync()
     assert {value for row in replicas[0].probe.reference for value in row} == {-2.0}
+
+
+def test_a_cpu_replica_that_applies_lora_but_installs_none_refuses_verify_probe_too():
+    """Found by review: the refusal asked the engine adapter's `lora_rank`, which a `vllm serve` replica leaves None (it
+    installs no adapter), though a server started with --enable-lora applies LoRA and fails the probe the same way."""
+    from dataclasses import replace
+
+    from tests.support.fakes import LoraEngine, LoraTrainer, lora_replica
+
+    class ScoringLoraTrainer(LoraTrainer):
+        def reference_logprobs(self, prompts):
+            return [[0.0] * (len(prompt) - 1) for prompt in prompts]
+
+    engine = LoraEngine()
+    engine.lora_rank = None  # as `ServerAdapter` has it
+    engine.facts = replace(engine.facts, model_info=replace(engine.facts.model_info, vocab_size=64, serves_lora=True))
+    replica = lora_replica(engine)
+    with pytest.raises(ConfigError, match=r"verify='probe' on a CPU replica with LoRA on"):
+        Syncer(ScoringLoraTrainer(tiny_decoder()), [replica], replace(CONFIG, verify="probe")).sync()
+    assert replica.status().phase is Phase.SERVING and replica.lifecycle.open_update() is None
