@@ -274,7 +274,8 @@ def _as_tensor(buffer: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(buffer, torch.Tensor):
         return buffer
     # Buffers fetched from Ray's object store are read-only; torch warns on
-    # wrapping them. Nothing writes through these views, so it is safe.
+    # wrapping them. Nothing writes through a view of a read-only buffer (a
+    # `BucketWriter` wraps its own writable one), so it is safe.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         flat = torch.from_numpy(buffer)
