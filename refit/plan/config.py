@@ -20,8 +20,9 @@ from refit.transport.kinds import TransportKind, transport_kind
 __all__ = ["Delta", "Draft", "Pause", "QuantizeOn", "SyncConfig", "Transport", "Verify", "coerce_enum"]
 
 _LONGEST_WAIT_S = 7 * 24 * 3600  # SyncConfig's deadlines; beyond a week a deadline is no deadline
-# Beyond this a window bounds nothing, and what is sized by it is not: the shm transport's ring of 2n + 2 files (a
-# list of that length, allocated at the first sync) and Ray's backpressure count (a C long: 2**63 overflowed it).
+# Beyond this a window bounds nothing, and what is sized by it is not: the shm transport reuses a file only once it
+# is out of a window of about 2n buckets, so a larger one keeps a file per bucket, and Ray's backpressure count is a
+# C long (2**63 overflowed it).
 _MOST_BUCKETS_IN_FLIGHT = 1 << 16
 
 
