@@ -300,6 +300,40 @@ def test_a_megatron_routers_expert_bias_is_sent_in_its_own_dtype_and_an_unknown_
         torch.distributed.destroy_process_group()
 
 
+def test_a_megatron_parameter_whose_data_took_another_shape_is_refused_by_name_before_any_part():
+    """Found by review: the Megatron layout re-read only parameters replaced by other objects, so a parameter whose
+    `.data` was swapped for another shape in place was read through slots made for the old one. A real megatron-core
+    `GPTModel` (the Qwen3 fixture), a world of one over gloo."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
+    from fixtures import model_dir
+    from refit.errors import ConfigError
+    from refit.provenance.tracker import checkpoint_tensor_names
+    from refit.sharding.megatron import load_hf_checkpoint, megatron_source
+
+    _quiet_megatron_imports()
+    checkpoint = model_dir(False, "bf16")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1)
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel())
+        source = megatron_source(model, vocab_size=config["vocab_size"])
+        load_hf_checkpoint(source.layout, checkpoint)
+        plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
+        fc2 = model.decoder.layers[0].mlp.linear_fc2.weight
+        fc2.data = torch.zeros(fc2.shape[0], fc2.shape[1] // 2, dtype=fc2.dtype)
+        with pytest.raises(ConfigError, match=r"decoder\.layers\.0\.mlp\.linear_fc2\.weight: local shape"):
+            next(iter(source.stream(plan)))
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
 def _megatron_stage_that_gains_an_unknown_parameter(rank: int, store_path: str, outcomes) -> None:
     """Pipeline stage `rank` of 2 (gloo, 30 s group timeout) of the Qwen3 fixture; after its source is made, stage 1's
     layer gains a parameter the mapping cannot place (as an adapter a job adds would be). Streams twice."""

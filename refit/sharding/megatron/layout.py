@@ -68,7 +68,10 @@ class MegatronLayout:
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
             if slot.sends and self._first_replica[".mlp.experts." in f".{name}"]:
                 sends[slot.target] = (param, slot)
-        self._params, self._sends = params, sends  # only once all are placed: a failure leaves them to be read again
+        # Only once all are placed: a failure leaves them to be read again. The shapes too: a parameter's `.data`
+        # may be swapped for another shape in place, which its slots were not made for.
+        self._params = {name: (param, tuple(param.shape)) for name, param in params.items()}
+        self._sends = sends
 
     def finish_parameter_updates(self) -> None:
         """Finish the distributed optimizer's all-gather of the updated parameters, which `overlap_param_gather`
@@ -80,7 +83,9 @@ class MegatronLayout:
             wrapper.start_param_sync(force_sync=True)
         self._unreadable = None
         current = state_tensors(self.model)
-        if current.keys() != self._params.keys() or any(param is not self._params[name] for name, param in current.items()):
+        if current.keys() != self._params.keys() or any(
+                param is not self._params[name][0] or tuple(param.shape) != self._params[name][1]
+                for name, param in current.items()):
             try:
                 self._read_current_parameters()
             except ConfigError as error:  # raised in the preflight, where every rank refuses with it (`check_finite`)
