@@ -11,6 +11,8 @@ while unsharded, and a parameter can be replaced outright. The streams are real
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -207,10 +209,10 @@ def test_a_planned_tensor_one_rank_lacks_is_refused_by_name_on_every_rank_at_onc
         assert seconds < 20, (rank, seconds)  # refused at once on both, not at the group's timeout
 
 
-def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_was_made_with():
-    """Found by review: `MegatronLayout` read the parameter objects it captured when made, so after
-    `load_state_dict(..., assign=True)` (the model then computes with the new weights) every sync sent the old
-    weights, silently. A real megatron-core `GPTModel` (the Qwen3 fixture), a world of one over gloo."""
+@contextlib.contextmanager
+def _megatron_world_of_one(arch: str = "qwen3") -> Iterator[tuple[torch.nn.Module, dict]]:
+    """A real megatron-core `GPTModel` of the untied `arch` fixture's shape (its parameters uninitialized), and the
+    fixture's config, in a world of one over gloo."""
     import json
     from pathlib import Path
 
@@ -218,20 +220,39 @@ def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_wa
 
     from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
     from fixtures import model_dir
-    from refit.plan import loadable_tensors, produce_buckets
     from refit.provenance.tracker import checkpoint_tensor_names
-    from refit.sharding.megatron import load_hf_checkpoint, megatron_source
-    from refit.sharding.megatron.layout import megatron_slots
 
     _quiet_megatron_imports()
-    checkpoint = model_dir(False, "bf16")
+    checkpoint = model_dir(False, "bf16", arch=arch)
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(1)
         config = json.loads((Path(checkpoint) / "config.json").read_text())
-        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel())
-        source = megatron_source(model, vocab_size=config["vocab_size"])
-        load_hf_checkpoint(source.layout, checkpoint)
+        yield _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel()), config
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _megatron_source_of_the_fixture(model: torch.nn.Module, config: dict):
+    """`megatron_source` of `model`, loaded with the untied Qwen3 fixture's weights."""
+    from fixtures import model_dir
+    from refit.sharding.megatron import load_hf_checkpoint, megatron_source
+
+    source = megatron_source(model, vocab_size=config["vocab_size"])
+    load_hf_checkpoint(source.layout, model_dir(False, "bf16"))
+    return source
+
+
+def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_was_made_with():
+    """Found by review: `MegatronLayout` read the parameter objects it captured when made, so after
+    `load_state_dict(..., assign=True)` (the model then computes with the new weights) every sync sent the old
+    weights, silently. A real megatron-core `GPTModel` (the Qwen3 fixture), a world of one over gloo."""
+    from refit.plan import loadable_tensors, produce_buckets
+    from refit.sharding.megatron.layout import megatron_slots
+
+    with _megatron_world_of_one() as (model, config):
+        source = _megatron_source_of_the_fixture(model, config)
         model.load_state_dict({name: torch.randn_like(value) if value is not None and value.is_floating_point() else value
                                for name, value in model.state_dict().items()}, assign=True)
         layout = source.layout
@@ -243,9 +264,6 @@ def test_a_megatron_stream_sends_parameters_that_replaced_the_ones_its_source_wa
             got, want = dict(loadable_tensors(plan, part)), dict(loadable_tensors(plan, whole))
             wrong += [name for name in want if not torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8))]
         assert wrong == []
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def test_a_megatron_routers_expert_bias_is_sent_in_its_own_dtype_and_an_unknown_saved_buffer_is_refused_by_name():
@@ -253,25 +271,11 @@ def test_a_megatron_routers_expert_bias_is_sent_in_its_own_dtype_and_an_unknown_
     megatron-core trains with `moe_router_enable_expert_bias` and that picks the experts) was never sent and never
     refused: the rollouts routed without it. megatron-core makes that buffer on CUDA only, so it is registered here as
     megatron-core registers it, on a real `GPTModel` (the Qwen3-MoE fixture's shape), a world of one over gloo."""
-    import json
-    from pathlib import Path
-
-    from megatron.core import parallel_state
-
-    from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
-    from fixtures import model_dir
     from refit.errors import ConfigError
     from refit.plan import loadable_tensors
-    from refit.provenance.tracker import checkpoint_tensor_names
     from refit.sharding.megatron import megatron_source
 
-    _quiet_megatron_imports()
-    checkpoint = model_dir(False, "bf16", arch="qwen3_moe")
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1)
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
-        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel())
+    with _megatron_world_of_one("qwen3_moe") as (model, config):
         torch.manual_seed(0)
         with torch.no_grad():
             for param in model.parameters():
@@ -295,43 +299,21 @@ def test_a_megatron_routers_expert_bias_is_sent_in_its_own_dtype_and_an_unknown_
         model.decoder.layers[0].mlp.register_buffer("token_counts", torch.zeros(4))
         with pytest.raises(ConfigError, match=r"decoder\.layers\.0\.mlp\.token_counts \(4,\): refit does not know"):
             megatron_source(model, vocab_size=config["vocab_size"])
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def test_a_megatron_parameter_whose_data_took_another_shape_is_refused_by_name_before_any_part():
     """Found by review: the Megatron layout re-read only parameters replaced by other objects, so a parameter whose
     `.data` was swapped for another shape in place was read through slots made for the old one. A real megatron-core
     `GPTModel` (the Qwen3 fixture), a world of one over gloo."""
-    import json
-    from pathlib import Path
-
-    from megatron.core import parallel_state
-
-    from actors.megatron_group import MegatronParallel, _gpt_model, _quiet_megatron_imports
-    from fixtures import model_dir
     from refit.errors import ConfigError
-    from refit.provenance.tracker import checkpoint_tensor_names
-    from refit.sharding.megatron import load_hf_checkpoint, megatron_source
 
-    _quiet_megatron_imports()
-    checkpoint = model_dir(False, "bf16")
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1)
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
-        model = _gpt_model(config, checkpoint_tensor_names(checkpoint), MegatronParallel())
-        source = megatron_source(model, vocab_size=config["vocab_size"])
-        load_hf_checkpoint(source.layout, checkpoint)
+    with _megatron_world_of_one() as (model, config):
+        source = _megatron_source_of_the_fixture(model, config)
         plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
         fc2 = model.decoder.layers[0].mlp.linear_fc2.weight
         fc2.data = torch.zeros(fc2.shape[0], fc2.shape[1] // 2, dtype=fc2.dtype)
         with pytest.raises(ConfigError, match=r"decoder\.layers\.0\.mlp\.linear_fc2\.weight: local shape"):
             next(iter(source.stream(plan)))
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def _megatron_stage_that_gains_an_unknown_parameter(rank: int, store_path: str, outcomes) -> None:
