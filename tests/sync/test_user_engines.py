@@ -186,9 +186,9 @@ def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops
     EngineDeadError, naming no replica, instead of dropping it and syncing the others."""
     trainer, kinds, _ = replicas
     model = str(model_dir(True, "fp8_block"))
-    own_core = {"runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}}
-    doomed = [_user(UserAsyncLLMRollout, 1, model, module_actors),
-              module_actors.keep(UserLLMRollout.options(num_cpus=0, resources={"node1": 0.01}, **own_core).remote(model, LORA_RANK))]
+    # An AsyncLLM's core alone: a vllm.LLM with VLLM_ENABLE_V1_MULTIPROCESSING=1 takes the same path (`core_died`),
+    # and its two more processes beside this module's engines left the suite's busiest minute short of memory.
+    doomed = [_user(UserAsyncLLMRollout, 1, model, module_actors)]
     with refit.Syncer(trainer, [kinds["llm"], *doomed]) as syncer:
         syncer.sync()
         for replica in doomed:
@@ -203,7 +203,6 @@ def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops
         with pytest.raises(refit.ReplicaRefusingError, match="engine core process died"):
             ray.get(doomed[0].generate.remote(PROMPTS[:1], NEW_TOKENS), timeout=60)
         report = syncer.sync()
-    assert sorted((d.replica, d.stage, d.cause) for d in report.dropped) == [(1, "begin", "died"), (2, "begin", "died")], \
-        report.summary()
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(1, "begin", "died")], report.summary()
     assert all("engine core process died" in d.error for d in report.dropped)
     assert ray.get(kinds["llm"].status.remote(), timeout=60).served_version == report.version
