@@ -43,7 +43,7 @@ import torch
 from refit.errors import PlanMismatchError
 from refit.plan.tensors import TensorMeta
 
-__all__ = ["CheckpointView", "checkpoint_tensors", "describe_weights"]
+__all__ = ["CheckpointView", "checkpoint_tensors", "describe_weights", "state_tensors"]
 
 # The modules transformers' save conversion cuts out of a parameter (one
 # expert's gate, up or down projection) are Linear layers in the checkpoint
@@ -88,7 +88,7 @@ class CheckpointView:
         theirs (fp32 master weights that stream bf16, as FSDP2's mixed precision computes in bf16)."""
         self._model = model
         self._wire_dtype = wire_dtype
-        self._tensors = _state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
+        self._tensors = state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
         self._described = {name: (t.dtype, t.shape) for name, t in self._tensors.items()}
         self._sources: dict[str, str] = {}  # checkpoint name -> the parameter or buffer it is, or is a piece of
         self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
@@ -104,7 +104,7 @@ class CheckpointView:
         whose `.data` took another dtype or shape (`model.half()` on a plain module keeps each parameter object). A
         view kept across steps reads only the objects it captured, and describes them as they were, so it must then
         be made again."""
-        now = _state_tensors(self._model)
+        now = state_tensors(self._model)
         return now.keys() != self._tensors.keys() or any(
             now[name] is not t or (t.dtype, t.shape) != self._described[name] for name, t in self._tensors.items())
 
@@ -191,7 +191,7 @@ class CheckpointView:
         self._metas.append(meta)
 
 
-def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What `save_pretrained` takes from `model.state_dict()`: every parameter (a tied one under each of its names)
     and every persistent buffer, less `_keys_to_ignore_on_save`; the live tensors, not detached copies."""
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))

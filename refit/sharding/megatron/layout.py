@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from refit.errors import ConfigError, InvalidTensorError
+from refit.plan.checkpoint_format import state_tensors
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
@@ -23,7 +24,7 @@ from refit.sharding.layout import ABSENT
 from refit.sharding.megatron.mapping import CheckpointNames, MegatronDims, RankPlace, Slot, slots_of
 from refit.sharding.routes import RowRange
 
-__all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "state_tensors", "unwrap"]
+__all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "unwrap"]
 
 # What the checkpoint's model calls each kind of module (the FP8 scheme's targets match these class names).
 _MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module"), "embedding": ("Embedding", "Module"),
@@ -213,7 +214,11 @@ def megatron_dims(model: torch.nn.Module, vocab_size: int, names: CheckpointName
 
 
 def megatron_slots(model: torch.nn.Module, dims: MegatronDims, place: RankPlace) -> list[tuple[str, torch.Tensor, Slot]]:
-    """(megatron name, parameter or saved buffer, slot) for every part of a checkpoint tensor this rank's model holds."""
+    """(megatron name, parameter or saved buffer, slot) for every part of a checkpoint tensor this rank's model holds.
+
+    Saved buffers too: a trained one steers the forward like a weight (the router's `expert_bias` with
+    `moe_router_enable_expert_bias` picks the experts); left out, the rollouts would route without it and nothing
+    would say so. One the mapping cannot place is refused by name like a parameter."""
     layers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     found = []
     for name, param in state_tensors(model).items():
@@ -221,16 +226,3 @@ def megatron_slots(model: torch.nn.Module, dims: MegatronDims, place: RankPlace)
             found.append((name, param, slot))
     return found
 
-
-def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and the buffers it saves (`state_dict`'s tensors), by name.
-
-    Why buffers: a trained buffer steers the forward like a weight (the router's `expert_bias` with
-    `moe_router_enable_expert_bias`, which picks the experts); left out, the rollouts would route without it
-    and nothing would say so. A saved buffer the mapping cannot place is refused by name like a parameter."""
-    tensors = dict(model.named_parameters())
-    for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():  # noqa: SLF001 - torch keeps which are saved only here
-            if buffer is not None and name not in module._non_persistent_buffers_set:  # noqa: SLF001
-                tensors[f"{module_name}.{name}" if module_name else name] = buffer
-    return tensors
