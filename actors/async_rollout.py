@@ -4,9 +4,16 @@ A thin shell over `AsyncReplica` (refit/engine/async_llm.py), which runs
 the same `ReplicaCore` as `RolloutActor` with an adapter for `AsyncLLM`;
 the replica methods `refit.Syncer` calls come from `AsyncReplicaMethods`,
 the mixin a user's own async actor takes too. Each `generate` call is one
-request; Ray runs them concurrently on the actor's event loop and vLLM
-batches them continuously. How an update holds, drains or aborts requests
-(`SyncConfig.pause`) is described in refit/engine/async_llm.py.
+request; Ray runs them concurrently and vLLM batches them continuously. How
+an update holds, drains or aborts requests (`SyncConfig.pause`) is
+described in refit/engine/async_llm.py.
+
+Why requests run in a concurrency group of their own: an update holds new
+requests, each awaiting in the actor, and Ray admits at most
+`max_concurrency` calls at once per group. Sharing the default group, the
+held requests would fill it and the sync's next call would wait behind
+them until its deadline. Apart, the sync's calls keep the default group
+(its `max_concurrency`) and requests have `SERVE_CONCURRENCY`.
 """
 
 from __future__ import annotations
@@ -20,15 +27,19 @@ from refit.engine.async_llm import AsyncReplicaMethods, Completion, async_llm_re
 from refit.engine.config import EngineConfig
 from refit.provenance import format_table, to_json
 
-__all__ = ["AsyncRolloutActor"]
+__all__ = ["SERVE_CONCURRENCY", "AsyncRolloutActor"]
+
+SERVE_CONCURRENCY = 1000
+"""Requests one actor runs or holds at once (Ray's default `max_concurrency` for an async actor); more wait in Ray."""
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"serve": SERVE_CONCURRENCY})
 class AsyncRolloutActor(AsyncReplicaMethods):
     def __init__(self, config: EngineConfig) -> None:
         show_refit_logs()
         self.replica = async_llm_replica(start_async_llm(config))
 
+    @ray.method(concurrency_group="serve")
     async def generate(
         self, prompt: Sequence[int], max_tokens: int = 8, *, temperature: float = 0.0, seed: int | None = None
     ) -> Completion:

@@ -103,17 +103,21 @@ class AsyncReplica:
 
     Hold one in the actor and delegate the `refit.RolloutReplica` methods
     (and `serve` for requests) to it; `actors.AsyncRolloutActor` does.
-    Create it where the actor's event loop runs or will run its methods.
+    Create it in the actor's constructor: Ray runs an async actor's constructor on its default concurrency group's
+    loop, where the `AsyncLLM` then runs (`AsyncLLMAdapter.adopt_loop`), whichever loop a request or a step comes
+    from.
     """
 
     def __init__(self, llm: Any) -> None:
         self.engine = AsyncLLMAdapter(llm)
         self.core = ReplicaCore(self.engine)
         self._steps = ThreadPoolExecutor(1, thread_name_prefix="refit-update")  # in submission order
+        # An async actor's constructor runs on its default concurrency group's loop: the `AsyncLLM` is used there.
+        self.engine.adopt_loop(_running_loop())
 
     async def _step(self, method: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        self.engine.loop = loop
+        self.engine.adopt_loop(loop)
         return await loop.run_in_executor(self._steps, method, *args)
 
     # -- observation (never waits) ----------------------------------------------------
@@ -140,15 +144,25 @@ class AsyncReplica:
 
     async def scale_records(self) -> list[ScaleRecord]:
         """Where every scale came from (also while refusing)."""
-        self.engine.loop = asyncio.get_running_loop()
+        self.engine.adopt_loop(asyncio.get_running_loop())
         return await asyncio.to_thread(self.core.scale_records)
 
     # -- serving -------------------------------------------------------------------------
     async def serve(
         self, prompt: Sequence[int], max_tokens: int = 8, *, temperature: float = 0.0, seed: int | None = None
     ) -> Completion:
-        """One request: its tokens, logprobs, the version that produced them, and whether an update aborted it."""
-        return await self.engine.serve(prompt, max_tokens, self.core, temperature=temperature, seed=seed)
+        """One request: its tokens, logprobs, the version that produced them, and whether an update aborted it.
+
+        Awaitable from any event loop: an actor that serves requests in a concurrency group of their own (so that
+        requests held during an update never take the slots the sync's calls need) awaits it on that group's loop,
+        and the request runs on the engine's (`AsyncLLMAdapter.loop`).
+        """
+        here = asyncio.get_running_loop()
+        request = self.engine.serve(prompt, max_tokens, self.core, temperature=temperature, seed=seed)
+        engine_loop = self.engine.adopt_loop(here)
+        if engine_loop is here:
+            return await request
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(request, engine_loop))
 
     # -- the update steps (ReplicaCore's, in submission order) --------------------------------
     async def join_transport(self, rendezvous: Rendezvous, member_offset: int, sync_id: str | None = None) -> None:
@@ -194,13 +208,25 @@ class AsyncLLMAdapter:
         self.facts = EngineFacts.of(llm.vllm_config)
         self.lora_rank = lora_rank_of(llm.vllm_config)
         self.worker_calls_beside_requests = True  # they queue in the engine core between its steps
-        self.loop: asyncio.AbstractEventLoop | None = None  # set by `AsyncReplica` before it calls the core
+        self.loop: asyncio.AbstractEventLoop | None = None  # where the `AsyncLLM` is used: `adopt_loop`
         self._gate = asyncio.Event()  # set: requests may enter the engine
         self._gate.set()
         self._admitting = 0  # requests past the gate whose add has not yet reached the engine core
         self._in_flight = 0  # requests past the gate that have not finished
         self._admitted = asyncio.Condition()
         self.timeout_s = SyncConfig().timeout_s  # the last sync's deadline, from `hold_requests`; its default before any
+
+    def adopt_loop(self, loop: asyncio.AbstractEventLoop | None) -> asyncio.AbstractEventLoop | None:
+        """The loop every use of the `AsyncLLM` runs on: the first one offered, kept for the engine's life.
+
+        Why one loop: an `AsyncLLM` answers requests through a task and queues of the loop its first request came
+        from, and Ray runs each concurrency group of an async actor on a loop of its own. A sync's calls and users'
+        requests may arrive on different ones; both are handed to this one. A loop that closed (it served a
+        constructor's `asyncio.run`) is replaced by the next offered.
+        """
+        if self.loop is None or self.loop.is_closed():
+            self.loop = loop
+        return self.loop
 
     def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """`coroutine` on the replica's loop, waited for from the update's thread within the sync's deadline.
@@ -356,6 +382,13 @@ class AsyncLLMAdapter:
 
     def resume(self) -> None:
         self._run(self.llm.resume_generation())
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 @delegate_to_replica(coroutines=True)

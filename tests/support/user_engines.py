@@ -47,7 +47,7 @@ class UserLLMRollout(refit.ReplicaMethods):
         return [list(c.token_ids) for c in done], [[s[t].logprob for s, t in zip(c.logprobs, c.token_ids)] for c in done]
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"serve": 1000})  # requests apart from refit's calls (docs/own-engine.md)
 class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
     """An async actor with an `AsyncLLM` (engine core in its own process, so synced over `transport="collective"`)."""
 
@@ -59,6 +59,7 @@ class UserAsyncLLMRollout(refit.AsyncReplicaMethods):
         self.llm = AsyncLLM.from_engine_args(args)
         self.replica = refit.async_llm_replica(self.llm)
 
+    @ray.method(concurrency_group="serve")
     async def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         done = [await self.replica.serve(p, max_tokens) for p in prompts]
         return [c.token_ids for c in done], [c.logprobs for c in done]

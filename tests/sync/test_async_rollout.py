@@ -24,6 +24,7 @@ which the test also checks, so it can tell versions apart.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import ray
@@ -41,6 +42,7 @@ TIE = 0.1  # nats
 # TOKENS tokens on a worker that shares its cores with whatever else runs. 60 s was missed beside a 1-core
 # busy loop (run 7 on 2026-12-02); no test here is about the deadline itself.
 SYNC_TIMEOUT_S = 300
+SYNC_CALL_SLOTS = 8  # the actor's `max_concurrency`: its default group's, where refit's calls run
 
 
 def gaps_under(trainer, version: int, outputs: list) -> list[float]:
@@ -69,7 +71,9 @@ def setup(module_actors):
 
     trainer = module_actors.trainer(model_dir(False, "bf16"), node=0, reinitialize=True, seed=3, lr=3e-3)
     config = refit.EngineConfig(model=str(model_dir(False, "bf16")), load_format="dummy", max_model_len=128)
-    rollout = module_actors.keep(AsyncRolloutActor.options(num_cpus=0, resources={"node1": 0.01}).remote(config))
+    # Refit's calls get fewer slots than the requests in flight: an update's held requests must never take theirs.
+    rollout = module_actors.keep(AsyncRolloutActor.options(num_cpus=0, resources={"node1": 0.01},
+                                                           max_concurrency=SYNC_CALL_SLOTS).remote(config))
     return trainer, rollout
 
 
@@ -197,3 +201,35 @@ def test_a_bucket_its_worker_refuses_keeps_the_version_served_under_load(setup):
         assert (state.phase, state.served_version) == (Phase.SERVING, served), state
         assert load.failed == [] and {c.version for _, c in load.done} == {served}
         assert syncer.sync().version > served  # the next, honest stream
+
+
+def test_requests_held_beyond_the_actors_max_concurrency_leave_the_syncs_calls_their_slots(setup):
+    """An update holds every request that arrives, each one awaiting in the actor; three times `max_concurrency` of
+    them would fill the slots the sync's next calls need, if requests and refit's calls shared Ray's default group,
+    and the sync would wait for them until its deadline. Each held request then runs on the version the sync made."""
+    trainer, rollout = setup
+    syncer = refit.Syncer(trainer, rollout, refit.SyncConfig(transport="collective", timeout_s=90))
+    before = syncer.sync().version
+    ray.get(trainer.train_step.remote(make_sequences(8, 16, seed=300).tolist()))
+    long_request = rollout.generate.remote(PROMPTS[0], 64)  # `pause="wait"` keeps the update open until it ends
+    done: list = []
+    sync = threading.Thread(target=lambda: done.append(_outcome(syncer.sync)), daemon=True)
+    sync.start()
+    while ray.get(rollout.status.remote(), timeout=60).phase is not Phase.UPDATING:
+        assert sync.is_alive(), done
+        time.sleep(0.01)
+    held = [rollout.generate.remote(PROMPTS[i % len(PROMPTS)], 2) for i in range(3 * SYNC_CALL_SLOTS)]
+    sync.join(timeout=240)
+    syncer.close()
+    assert done and not isinstance(done[0], BaseException), done
+    version = done[0].version
+    outputs = ray.get(held, timeout=120)
+    assert {c.version for c in outputs} == {version} and not any(c.aborted for c in outputs)
+    assert ray.get(long_request, timeout=60).version == before < version
+
+
+def _outcome(call):
+    try:
+        return call()
+    except BaseException as error:  # noqa: BLE001 - the test asserts on it
+        return error
