@@ -27,7 +27,7 @@ class DroppedReplica:
     """A replica a sync went on without: it died or missed the deadline; the Syncer no longer has it."""
 
     replica: int  # its id ("rollout <id>")
-    stage: str  # where it was lost: "begin", "connect", "stream" or "finish"
+    stage: str  # where it was lost: "pick" (of the transport, `transport="auto"`), "begin", "connect", "stream" or "finish"
     cause: str  # "died" or "missed the deadline"
     error: str  # the error that said so, `Type: first line`
 

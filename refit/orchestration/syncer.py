@@ -198,12 +198,13 @@ class Syncer:
         """The transport the next sync takes; with `transport="auto"`, None until the first sync picks one."""
         return None if self.config.transport is Transport.AUTO else str(self.config.transport)
 
-    def _pick_transport(self) -> None:
+    def _pick_transport(self, roll: Roll) -> None:
         """With `transport="auto"`: pick one for the fleet (refit/orchestration/transport_choice.py), before the first
-        sync and after the fleet changed; a collective group is left when the fleet goes back to `ray`."""
+        sync and after the fleet changed; a collective group is left when the fleet goes back to `ray`. A replica lost
+        while asked is dropped from `roll`."""
         if not self._auto_transport or self._picked_for == tuple(self._fleet.names):
             return
-        name, self._transport_reason = pick_transport(self._sources, self._fleet.members, self.config)
+        name, self._transport_reason = pick_transport(self._sources, roll, self.config)
         if self.transport != name:
             self._group.disconnect(self._fleet.members)
             # The fleet keeps `auto`: a replica added later is checked for what some transport needs, and the next
@@ -282,16 +283,16 @@ class Syncer:
         planned_before = self._plan is not None
         plan = self.plan()
         plan_seconds = 0.0 if planned_before else time.perf_counter() - start
-        self._pick_transport()
         if len(self._fleet.members) < self.config.min_replicas:
             raise ConfigError(
                 f"the Syncer has {len(self._fleet.members)} replica(s) and SyncConfig.min_replicas={self.config.min_replicas}: "
                 "add replicas (add_replica) or lower min_replicas"
             )
+        roll = Roll(self._fleet.members, self.config.min_replicas)
+        self._pick_transport(roll)
         # Asked of the trainer before any replica begins (its weights do not change during a sync), so a probe that
         # cannot be made fails the sync with every replica still serving, not after every bucket loaded.
         probe = None if self.config.verify is not Verify.PROBE else self._probe_request()
-        roll = Roll(self._fleet.members, self.config.min_replicas)
         stages: dict[str, float] = {}
         done = self._attempts(plan, roll, stages, probe)
         self._fleet.keep(roll.members)

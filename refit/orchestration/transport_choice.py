@@ -14,6 +14,7 @@ from typing import Any
 
 from refit.errors import ConfigError
 from refit.orchestration.calls import call_groups
+from refit.orchestration.fleet import Roll, losses
 from refit.plan.config import SyncConfig
 from refit.protocols import accepts, has_method
 from refit.transport.kinds import AUTO_CANDIDATES, choose_transport, transport_kind
@@ -21,13 +22,21 @@ from refit.transport.kinds import AUTO_CANDIDATES, choose_transport, transport_k
 __all__ = ["pick_transport"]
 
 
-def pick_transport(sources: list[tuple[str, Any]], members: list[tuple[str, Any]], config: SyncConfig) -> tuple[str, str]:
-    """The transport for `members` and the trainer's ranks `sources`, and why (one round: the replicas'
-    `transports()`, the ranks' `transport_host()`)."""
+def pick_transport(sources: list[tuple[str, Any]], roll: Roll, config: SyncConfig) -> tuple[str, str]:
+    """The transport for the roll's members and the trainer's ranks `sources`, and why (one round: the replicas'
+    `transports()`, the ranks' `transport_host()`).
+
+    A replica lost in that round (dead, or no answer within the deadline) is dropped from the roll here, so a hung
+    one costs the sync one deadline, not this one and then begin's; the rest are picked for without it.
+    """
+    members = roll.members
     askable = [(who, r) for who, r in members if has_method(r, "transports")]
     hosted = [(who, s) for who, s in sources if has_method(s, "transport_host")]
-    # One that does not answer (dead, hung) is judged by its methods here; the sync's begin then drops it.
     replies, hosts = call_groups([(askable, "transports", ()), (hosted, "transport_host", ())], timeout_s=config.timeout_s)
+    roll.stage = "pick"
+    roll.drop(losses(replies), "(picking a transport)")
+    roll.check_quorum()
+    members = roll.members
     answers = {o.who: o.value for o in replies if o.ok}
     offers = {}
     for who, replica in members:

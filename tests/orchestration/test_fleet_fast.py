@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from refit import ActorDiedError, ConfigError, EngineError, EngineHungError, LifecycleError, Phase, SyncConfig, Syncer
+from refit.orchestration.fleet import Roll
 from refit.orchestration.report import DroppedReplica
 from tests.support.fakes import CONFIG, FakeReplica, expected_names, setup
 
@@ -87,7 +88,7 @@ def test_after_auto_picked_a_transport_a_newcomer_is_checked_for_auto_not_for_th
     trainer, replicas = setup(2)
     syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, transport="auto"))
     monkeypatch.setattr(syncer_module, "pick_transport", lambda *_: ("collective", "every member can join a group"))
-    syncer._pick_transport()  # as a sync does first
+    syncer._pick_transport(Roll(syncer._fleet.members, 1))  # as a sync does first
     assert syncer.transport == "collective"
     assert syncer.add_replica(FakeReplica(expected_names(trainer.model))) == "rollout 2"
 
@@ -280,3 +281,44 @@ def test_a_fleet_of_replicas_that_differ_in_their_draft_or_weights_is_refused_na
     with pytest.raises(ConfigError, match=r"rollout 1 runs a differently configured model than rollout 0 "
                                           r"\(the draft model's tie_word_embeddings\)"):
         Syncer(trainer, replicas, CONFIG).plan()
+
+
+class AskedReplica(FakeReplica):
+    """A replica that says which transports it accepts (`transport="auto"` asks), or fails to."""
+
+    def __init__(self, expected, transports_error: BaseException | None = None) -> None:
+        super().__init__(expected)
+        self.transports_error = transports_error
+
+    def transports(self):
+        if self.transports_error is not None:
+            raise self.transports_error
+        return {"accepts": ["ray"], "device": "cpu"}
+
+
+@pytest.mark.parametrize(("error", "cause"), [
+    (EngineHungError("the server did not answer GET /refit/transports within 5 s"), "missed the deadline"),
+    (death("rollout 1"), "died"),
+])
+def test_a_replica_lost_while_auto_picks_the_transport_is_dropped_there_not_asked_again_at_begin(error, cause):
+    """Found by review: a hung replica was judged by its methods at the pick, and then waited for again at begin: two
+    deadlines for one loss."""
+    trainer, _ = setup(0)
+    expected = expected_names(trainer.model)
+    replicas = [AskedReplica(expected), AskedReplica(expected, error), AskedReplica(expected)]
+    syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, transport="auto"))
+    report = syncer.sync()
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(1, "pick", cause)]
+    assert replicas[1].begins == 0 and [r.replica for r in report.replicas] == [0, 2]
+    assert syncer.replica_names == ["rollout 0", "rollout 2"] and syncer.transport == "ray"
+
+
+def test_a_loss_at_the_transport_pick_below_min_replicas_fails_the_sync_by_name_with_every_replica_untouched():
+    trainer, _ = setup(0)
+    expected = expected_names(trainer.model)
+    replicas = [AskedReplica(expected), AskedReplica(expected, EngineHungError("no answer within 5 s"))]
+    syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, transport="auto", min_replicas=2))
+    with pytest.raises(EngineHungError, match="no answer") as raised:
+        syncer.sync()
+    assert "fewer than SyncConfig.min_replicas=2" in "\n".join(raised.value.__notes__)
+    assert [r.begins for r in replicas] == [0, 0] and syncer.replica_names == ["rollout 0", "rollout 1"]
