@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 
 import pytest
@@ -25,7 +26,7 @@ import ray
 import refit
 from fixtures import model_dir
 from refit import Phase
-from tests.support.actors import all_started, hold_update_lock, redraw, run_in
+from tests.support.actors import all_started, hold_update_lock, process_id, redraw, run_in
 from tests.support.faults import kill_mid_stream
 from tests.support.serving import assert_serves, status
 
@@ -97,6 +98,26 @@ def test_a_replica_that_joins_serves_after_the_next_sync_and_one_killed_mid_sync
         if transport == "collective":  # the new group, kept
             groups = ray.get([r.transport_group.remote() for r in shared_replicas], timeout=60)
             assert groups[0] is not None and groups[0] == groups[1]
+
+
+def test_a_replica_hung_when_auto_asks_which_transports_it_takes_is_dropped_there(shared_replicas, trainer):
+    """Its first deadline drops it: begin does not wait for it a second time."""
+    all_started(trainer, *shared_replicas)
+    pid = run_in(shared_replicas[0], process_id)
+    syncer = refit.Syncer(trainer, shared_replicas, dataclasses.replace(SMALL, timeout_s=10, transport="auto"))
+    run_in(trainer, redraw, 26)
+    syncer.plan()  # started and described: the sync's first question is the pick's
+    before = ray.get(shared_replicas[0].status.remote(), timeout=60)
+    os.kill(pid, signal.SIGSTOP)  # every call to it, of any concurrency group, waits
+    try:
+        report = syncer.sync()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [(d.replica, d.stage, d.cause) for d in report.dropped] == [(0, "pick", "missed the deadline")]
+    assert "transports did not answer within 10 s" in report.dropped[0].error
+    assert [r.replica for r in report.replicas] == [1] and syncer.replica_names == ["rollout 1"]
+    assert_serves(shared_replicas[1:], trainer, report.version)
+    assert ray.get(shared_replicas[0].status.remote(), timeout=60) == before  # it never began an update
 
 
 @pytest.mark.parametrize("transport", ["ray", "collective"])
