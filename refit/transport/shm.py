@@ -56,7 +56,10 @@ __all__ = ["SegmentRef", "ShmHandle", "SharedSegments", "forget_unused_mappings"
 _HEADER = 64  # segment id (16 bytes), sequence number (8), then padding: the bytes start cache-line aligned
 _MIN_CAPACITY = 1 << 20
 _SPARE = 2  # files a trainer's ring holds beyond `keep`, so that a bucket has a choice (`SharedSegments`)
-_MAPPINGS_KEPT = 16  # per worker process: a ring's files (8 at most by default), twice over for a second trainer
+# Per worker process, of the files its current update has not read (a ring's files, 8 by default, twice over for a
+# second trainer); those it has read stay mapped however many: a ring of keep + _SPARE files (20 at
+# max_buckets_in_flight=8) would otherwise be mapped anew at every bucket.
+_MAPPINGS_KEPT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,8 +286,11 @@ def _mapping(ref: SegmentRef) -> _Mapping:
         mapping = _mappings.get(ref.segment)
         if mapping is None:
             mapping = _mappings[ref.segment] = _Mapping(ref)
-            while len(_mappings) > _MAPPINGS_KEPT:
-                _mappings.popitem(last=False)  # unmapped once no bucket's tensors view it any more
+            # The least recently read first, never one this update read (the trainer's ring bounds those); each is
+            # unmapped once no bucket's tensors view it any more.
+            idle = [segment for segment in _mappings if segment not in _used and segment != ref.segment]
+            for segment in idle[: max(len(_mappings) - _MAPPINGS_KEPT, 0)]:
+                del _mappings[segment]
         _mappings.move_to_end(ref.segment)
         _used.add(ref.segment)
         return mapping

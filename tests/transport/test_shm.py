@@ -230,3 +230,24 @@ def test_a_ring_asked_for_a_smaller_window_closes_the_files_beyond_it(ring: Shar
     contents = list(ring.send(plan_of_buckets([1 << 19] * 3), keep=1))  # max_buckets_in_flight lowered, say
     assert len(ring._ring) == 1 + 2
     assert bytes(open_shm_bucket(contents[-1]).buffer) == bytes(plan_of_buckets([1 << 19] * 3)[-1].buffer)
+
+
+def test_a_worker_keeps_every_file_of_a_ring_larger_than_its_mapping_cache_mapped(ring: SharedSegments) -> None:
+    """Regression: a worker kept at most 16 mappings, least recently used first out, but with max_buckets_in_flight=8
+    a trainer's ring holds 18 to 20 files (keep = 18, and two spare), so a sync that went round the ring found each file
+    unmapped again: every bucket of every sync opened and mapped (MAP_POPULATE) its file anew. The files an update
+    reads stay mapped; only those it did not read are let go."""
+    from refit.transport import shm
+
+    keep = 2 * 8 + 2  # `IpcTransport.for_buckets_in_flight(8).keep`
+    forget_unused_mappings(), forget_unused_mappings()  # a clean slate: what earlier tests mapped
+    mapped: dict[str, object] = {}
+    for _ in range(2):  # two updates, each going round the ring
+        forget_unused_mappings()
+        for contents in ring.send(plan_of_buckets([1 << 19] * (keep + 2)), keep=keep):
+            open_shm_bucket(contents)
+            refuse_rewritten(contents)
+            mapped.setdefault(contents.shm[2], shm._mappings[contents.shm[2]])
+    assert len(mapped) == len(ring._ring) == keep > shm._MAPPINGS_KEPT  # even buckets: `keep` files, no spare
+    assert all(shm._mappings.get(segment) is mapping for segment, mapping in mapped.items())  # none mapped twice
+    assert forget_unused_mappings() == 0
