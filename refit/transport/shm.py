@@ -258,6 +258,9 @@ class _Mapping:
             # until a writer came; the type check below then refuses it.
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as error:
+            if not os.path.exists(f"/proc/{ref.pid}"):  # the usual cause once a sync ran: not a wrong set-up
+                raise TransportError(f"cannot open the trainer's shared memory {path}: the trainer's process "
+                                     f"{ref.pid} is gone (it died or was killed during this sync)") from None
             raise TransportError(
                 f"cannot open the trainer's shared memory {path} ({error.strerror}); transport='shm' needs the trainer "
                 "and this vLLM worker on one host, in one PID namespace, as one user (use 'ray' or 'collective')"

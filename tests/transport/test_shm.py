@@ -251,3 +251,17 @@ def test_a_worker_keeps_every_file_of_a_ring_larger_than_its_mapping_cache_mappe
     assert len(mapped) == len(ring._ring) == keep > shm._MAPPINGS_KEPT  # even buckets: `keep` files, no spare
     assert all(shm._mappings.get(segment) is mapping for segment, mapping in mapped.items())  # none mapped twice
     assert forget_unused_mappings() == 0
+
+
+def test_a_place_of_a_trainer_that_died_is_refused_naming_the_death_not_the_set_up(ring: SharedSegments) -> None:
+    """Found by killing a trainer mid-sync over shm: the buckets already handed on named files of a process that was
+    gone, and each worker's error said the trainer and worker must share a host, PID namespace and user (they did)."""
+    import subprocess
+    import sys
+
+    good = list(ring.send([bucket(0, 1.0)], keep=1))[0]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    pid = int(gone.stdout)
+    _, fd, segment, sequence = good.shm
+    with pytest.raises(TransportError, match=rf"/proc/{pid}/fd/{fd}: the trainer's process {pid} is gone \(it died"):
+        open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, fd, segment, sequence)))
