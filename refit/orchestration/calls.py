@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refit.errors import ActorDiedError, EngineGoneError, EngineHungError, SyncTimeoutError, TransportError
+from refit.transport.buckets import ReadersDone
 from refit.transport.kinds import kind_of_handle
 from refit.transport.object_store import remote_error
 
@@ -239,9 +240,17 @@ class BucketStream:
         when the bytes travel over another transport).
         """
         if not self._actor:
-            bucket = next(self._gen, None)
+            bucket = next((item for item in self._gen if not isinstance(item, ReadersDone)), None)
             self._done = bucket is None
             return bucket
+        while True:  # a sender's `ReadersDone` items: taken (its readers are done when the consumer asks), then passed
+            item = self._next_item(timeout_s, fetch=fetch, watched=watched, on_finished=on_finished)
+            if not isinstance(item, ReadersDone):
+                return item
+            watched = ()
+
+    def _next_item(self, timeout_s: float, *, fetch: bool, watched: Sequence[Any],
+                   on_finished: Callable[[list[Any]], None] | None) -> Any | None:
         import ray
 
         deadline = time.monotonic() + timeout_s

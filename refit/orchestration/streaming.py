@@ -103,7 +103,10 @@ class BucketRelay:
                     self._wait_oldest()
             while self.in_flight:
                 self._wait_oldest()
-            extra = [who for (who, _), stream in zip(self.sources, streams) if stream.next(self.timeout) is not None]
+            # Every load is done: a stream that pauses at `ReadersDone` (shm) ends now; read, since only its
+            # contents tell such an item from a bucket.
+            extra = [who for (who, _), stream in zip(self.sources, streams)
+                     if stream.next(self.timeout, fetch=by_contents) is not None]
             if extra:
                 raise PlanMismatchError(f"{', '.join(extra)} streamed more buckets than the plan's {buckets}")
         finally:

@@ -24,7 +24,7 @@ import torch
 from refit.errors import InvalidTensorError
 from refit.transport.integrity import tag
 
-__all__ = ["BucketContents", "BucketWriter", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "buffers_from",
+__all__ = ["BucketContents", "BucketWriter", "ReadersDone", "WireBucket", "WireTensor", "as_bytes", "assemble_bucket", "buffers_from",
            "element_view", "pack_bucket", "wire_dtype_problem"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -120,6 +120,20 @@ class BucketContents:
 
 def _contents_from_plain(plain: tuple) -> BucketContents:
     return BucketContents.from_plain(plain)  # a module's function: pickled by name, unlike a bound class method
+
+
+@dataclass(frozen=True, slots=True)
+class ReadersDone:
+    """Yielded by a sender after its last bucket, `count` times: no bucket, but a question its consumer answers by
+    taking it only once every bucket it handed on was read (a sync's relay: once every replica loaded every bucket).
+
+    Why: a sender whose memory later buckets reuse (the shm transport's ring) learns how far its readers are only
+    from how many items its consumer took (Ray's backpressure pauses a stream `count` items ahead of its reader at
+    most); after its last bucket it would learn nothing more, and the next stream of the same trainer (another
+    Syncer's sync) would rewrite files this sync's replicas still load. Paused at these, the stream ends only once
+    they are done, and a trainer actor runs its next stream only after this one ended."""
+
+    count: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,12 +19,14 @@ are done with it; which of the files outside that window, by size
 (`SharedSegments`).
 
 Why a sequence number in each file's header, checked before and after the
-load: nothing else stops a writer, e.g. a second Syncer streaming from the
-same trainer, from rewriting a file a worker is still loading. The trainer
+load: nothing else stops a writer, e.g. a second stream of a threaded trainer
+actor, from rewriting a file a worker is still loading. The trainer
 writes the new number before the bytes, so a worker that finds the number
 it was told, after its load, loaded bytes that nobody rewrote meanwhile;
 otherwise the bucket is refused by name and the update abandoned, whether or
-not integrity tags are checked.
+not integrity tags are checked. (A sync's stream ends only once its replicas
+loaded every bucket, `refit.transport.buckets.ReadersDone`, so a second
+Syncer of the same trainer actor streams after it, not into its files.)
 
 Why a memory file: it lives exactly as long as the trainer's process (or a
 worker's mapping of it), so a killed trainer leaves nothing in /dev/shm. A

@@ -13,7 +13,7 @@ import refit
 
 __all__ = [
     "HandWrittenSource", "die_at", "die_when_joining", "fail_loading_from", "kill_during_syncs", "kill_mid_stream", "quantizing_fault",
-    "tamper_next_stream",
+    "slow_loading", "tamper_next_stream",
 ]
 
 
@@ -200,3 +200,17 @@ def fail_loading_from(rollout, bucket: int | None) -> None:
         return original(*args, **kwargs)
 
     rollout.replica.load_bucket = failing
+
+
+def slow_loading(rollout, delay_s: float | None) -> None:
+    """Run in a rollout actor (`run_in`): each bucket's load waits `delay_s` first (None: loading is as before)."""
+    rollout.replica.__dict__.pop("load_bucket", None)
+    if delay_s is None:
+        return
+    original = rollout.replica.load_bucket
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return original(*args, **kwargs)
+
+    rollout.replica.load_bucket = slow

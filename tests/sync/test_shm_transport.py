@@ -11,14 +11,18 @@ another process too.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import ray
 
 import refit
 from fixtures import model_dir
 from refit import Phase
-from tests.support.actors import engine_state, redraw, run_in
+from tests.support.actors import buckets_loaded, engine_state, redraw, run_in
 from tests.support.checkpoints import write_variant
+from tests.support.faults import slow_loading
 from tests.support.serving import PROMPTS, assert_serves, status, tokens
 from tests.support.shm_faults import rewrite_before_reading
 
@@ -95,3 +99,40 @@ def test_a_padded_vocabulary_held_until_finalize_is_copied_out_of_buffers_the_tr
         report = refit.sync(trainer, replica, refit.SyncConfig(transport=transport, delta="off", **SMALL))
         assert report.transport == transport and report.buckets > 6  # more buckets than the ring of files
         assert run_in(replica, engine_state) == expected, transport
+
+
+def test_two_syncers_streaming_from_one_trainer_at_once_each_serve_their_sync(actors_factory, shared_replicas):
+    """Found by two Syncers of one trainer, one replica each, syncing at once: the trainer streams one sync after the
+    other, and the second stream began as soon as the first had handed out its last bucket, while the first sync's
+    slower replica still loaded its last buckets; the second stream's buckets went round the ring into their files,
+    so that replica refused bucket 18 ("shared memory was rewritten (it holds the trainer's bucket #73, not #57)")
+    and was left refusing. A stream over shm now ends only once its sync has loaded every bucket."""
+    trainer = actors_factory.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=29)
+    slow, fast = shared_replicas
+    config = refit.SyncConfig(bucket_bytes=16 << 10, max_buckets_in_flight=1, timeout_s=60)  # ~20 buckets, 4 files
+    syncers = [refit.Syncer(trainer, [replica], config) for replica in (slow, fast)]
+    for syncer in syncers:
+        syncer.sync()
+    run_in(trainer, redraw, 30)
+    outcomes: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = syncers[i].sync()
+        except refit.RefitError as error:
+            outcomes[i] = error
+
+    run_in(slow, slow_loading, 0.5)
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        threads[0].start()
+        while run_in(slow, buckets_loaded) < 1 and threads[0].is_alive():  # the slow replica's sync streams first
+            time.sleep(0.02)
+        threads[1].start()
+        for thread in threads:
+            thread.join(300)
+    finally:
+        run_in(slow, slow_loading, None)
+    assert all(isinstance(o, refit.SyncReport) for o in outcomes), outcomes
+    assert [o.transport for o in outcomes] == ["shm", "shm"]
+    assert_serves([slow, fast], trainer)

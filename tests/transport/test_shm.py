@@ -186,7 +186,8 @@ def test_a_delta_base_over_shm_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"delta='full' over a transport that writes each bucket into memory it reuses "
                                           r"\(shm\): no delta base can be kept"):
         next(weights.stream_buckets(plan, ShmHandle(6), "full"))
-    assert len(list(weights.stream_buckets(plan, ShmHandle(6), "off"))) == len(plan.buckets)
+    streamed = list(weights.stream_buckets(plan, ShmHandle(6), "off"))
+    assert [type(item).__name__ for item in streamed] == ["BucketContents"] * len(plan.buckets) + ["ReadersDone"] * 3
 
 
 def plan_of_buckets(sizes: list[int]) -> list:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from refit.transport.buckets import BucketContents, WireBucket
+from refit.transport.buckets import BucketContents, ReadersDone, WireBucket
 from refit.transport.collective import BucketReceiver, CollectiveGroup, Rendezvous
 from refit.transport.ipc import IpcTransport
 from refit.transport.kinds.protocol import BucketSink, StreamHandle, TransportTraits, deliver_to_workers
@@ -41,8 +41,15 @@ class SharedMemoryTransport:
         segments = shared_segments()
         return lambda nbytes: segments.reserve(nbytes, handle.keep)
 
-    def send(self, buckets: Iterable[WireBucket], handle: Any, group: CollectiveGroup | None) -> Iterator[BucketContents]:
-        return shared_segments().send(buckets, handle.keep)
+    def send(self, buckets: Iterable[WireBucket], handle: Any,
+             group: CollectiveGroup | None) -> Iterator[BucketContents | ReadersDone]:
+        yield from shared_segments().send(buckets, handle.keep)
+        # Enough to reach any relay's window (keep // 2 = max_buckets_in_flight + 1; two or more): the stream pauses
+        # at them until its sync's replicas have loaded every bucket, so its files are not lent to the next stream
+        # while they read them (`ReadersDone`).
+        done = ReadersDone(handle.keep // 2)
+        for _ in range(done.count):
+            yield done
 
     def deliver(self, bucket: Any, next_bucket_bytes: list[int | None] | None, sink: BucketSink, timeout_s: float) -> float:
         return deliver_to_workers(bucket, next_bucket_bytes, sink)
