@@ -279,6 +279,7 @@ class _Mapping:
             raise TransportError(f"{path} is not the trainer's bucket file {ref.segment} (the trainer replaced it?)")
         self.data = np.frombuffer(self._map, dtype=np.uint8, offset=_HEADER)
         self.sequence = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=16)
+        self.pid = ref.pid
 
 
 _mappings: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
@@ -303,9 +304,13 @@ def _mapping(ref: SegmentRef) -> _Mapping:
 
 def forget_unused_mappings() -> int:
     """At the start of a worker's update: unmap the files its last update did not read (a trainer that is gone or
-    replaced its files), so their pages are not held; the ring's files stay mapped. Returns how many were dropped."""
+    replaced its files), so their pages are not held; the ring's files stay mapped. Returns how many were dropped.
+
+    Also those of a trainer whose process is gone, read or not: a trainer killed mid-sync left its ring mapped by
+    the update it failed, and this worker's mapping was all that kept those pages (a whole ring) for one more sync."""
     with _mappings_lock:
-        stale = [segment for segment in _mappings if segment not in _used]
+        stale = [segment for segment, mapping in _mappings.items()
+                 if segment not in _used or not os.path.exists(f"/proc/{mapping.pid}")]
         for segment in stale:
             del _mappings[segment]
         _used.clear()

@@ -266,3 +266,30 @@ def test_a_place_of_a_trainer_that_died_is_refused_naming_the_death_not_the_set_
     _, fd, segment, sequence = good.shm
     with pytest.raises(TransportError, match=rf"/proc/{pid}/fd/{fd}: the trainer's process {pid} is gone \(it died"):
         open_shm_bucket(BucketContents(0, good.tensors, good.nbytes, shm=(pid, fd, segment, sequence)))
+
+
+def test_a_worker_unmaps_the_files_of_a_trainer_that_died_at_its_next_update() -> None:
+    """Found by killing a trainer mid-sync over shm: its files were read by the update it failed, so the workers kept
+    them mapped, and alive (their pages a whole ring of the dead trainer's), through the next sync as well."""
+    import subprocess
+    import sys
+    import uuid
+
+    forget_unused_mappings(), forget_unused_mappings()  # a clean slate: what earlier tests mapped
+    segment = uuid.uuid4()
+    trainer = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+fd = os.memfd_create("refit-bucket-test")
+os.ftruncate(fd, 4096)
+os.pwrite(fd, bytes.fromhex("{segment.hex}"), 0)
+print(fd, flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        fd = int(trainer.stdout.readline())
+        ref = (trainer.pid, fd, segment.hex, 0)
+        open_shm_bucket(BucketContents(0, (), 0, shm=ref))  # the update the trainer's death failed read it
+    finally:
+        trainer.stdin.close()
+        trainer.wait(timeout=30)
+    assert forget_unused_mappings() == 1
