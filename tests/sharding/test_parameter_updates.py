@@ -316,9 +316,26 @@ def test_a_megatron_parameter_whose_data_took_another_shape_is_refused_by_name_b
             next(iter(source.stream(plan)))
 
 
-def _megatron_stage_that_gains_an_unknown_parameter(rank: int, store_path: str, outcomes) -> None:
-    """Pipeline stage `rank` of 2 (gloo, 30 s group timeout) of the Qwen3 fixture; after its source is made, stage 1's
-    layer gains a parameter the mapping cannot place (as an adapter a job adds would be). Streams twice."""
+def test_a_megatron_parameter_removed_after_planning_is_refused_by_name_before_any_part():
+    """Found by review: a parameter removed from the model after the plan was made simply vanished from the layout, so
+    the stream routed the tensors it held as a gather no rank joins, and the rank chosen to send them failed mid-stream
+    with an internal error ("its layout says it joins no gather of it") naming neither the parameter nor the cause. A
+    real megatron-core `GPTModel` (the Qwen3 fixture), a world of one over gloo."""
+    from refit.errors import ConfigError
+
+    with _megatron_world_of_one() as (model, config):
+        source = _megatron_source_of_the_fixture(model, config)
+        plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig()).for_sync(new_sync_key())
+        del model.decoder.layers[1].self_attention.q_layernorm.weight
+        with pytest.raises(ConfigError, match=r"megatron parameter decoder\.layers\.1\.self_attention\.q_layernorm\."
+                                              r"weight is gone from the model.*model\.layers\.1\.self_attn\.q_norm\.weight"):
+            next(iter(source.stream(plan)))
+
+
+def _megatron_stage_that_changes(rank: int, store_path: str, change: str, outcomes) -> None:
+    """Pipeline stage `rank` of 2 (gloo, 30 s group timeout) of the Qwen3 fixture; after its source is made (`"add"`)
+    or after its first stream (`"remove"`), stage 1's layer gains a parameter the mapping cannot place (as an adapter
+    a job adds would be) or loses its q norm's weight. Streams three times."""
     import datetime
     import json
     import time
@@ -344,9 +361,11 @@ def _megatron_stage_that_gains_an_unknown_parameter(rank: int, store_path: str, 
         metas: list = [None, None]
         torch.distributed.all_gather_object(metas, source.metadata())
         plan = make_plan(metas[0] + metas[1], RolloutModelInfo(FP8_BLOCK, False), SyncConfig())
-        if rank == 1:
-            model.decoder.layers[0].self_attention.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4)))
-        for attempt in range(2):
+        for attempt in range(3):
+            if rank == 1 and attempt == 0 and change == "add":
+                model.decoder.layers[0].self_attention.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4)))
+            if rank == 1 and attempt == 1 and change == "remove":  # after a stream, whose routes the source keeps
+                del model.decoder.layers[0].self_attention.q_layernorm.weight
             start = time.monotonic()
             try:
                 list(source.stream(plan.for_sync(b"key", f"s{attempt}", 30.0)))
@@ -363,23 +382,41 @@ def test_a_megatron_parameter_the_mapping_cannot_place_added_on_one_stage_is_ref
     once and on every later sync: read as the stream starts, its refusal on that stage alone would leave the other
     in a collective until the group's timeout, which breaks a gloo group for good. Real megatron-core, two gloo
     ranks (processes)."""
+    for rank, attempt, outcome, seconds in _two_megatron_stages_changing(tmp_path, "add"):
+        assert outcome.startswith("ConfigError: "), (rank, attempt, outcome)
+        assert "megatron parameter decoder.layers.0.self_attention.adapter (4,): refit does not know" in outcome
+        assert seconds < 20, (rank, attempt, seconds)  # refused at once on both, not at the group's timeout
+
+
+def test_a_megatron_parameter_removed_on_one_stage_after_a_sync_is_refused_by_name_on_every_rank_at_once(tmp_path):
+    """Found by review: the routes a source agreed for a plan are kept, so after a parameter was removed on one stage
+    the next stream still made that stage send its tensor, and reading it raised a bare `KeyError` (the checkpoint
+    name) there, mid-stream, while the other stage streamed on. Now both refuse before any part, naming the
+    parameter, on every later sync too. Real megatron-core, two gloo ranks (processes)."""
+    for rank, attempt, outcome, seconds in _two_megatron_stages_changing(tmp_path, "remove"):
+        if attempt == 0:
+            assert outcome == "streamed", (rank, outcome)
+            continue
+        assert outcome.startswith("ConfigError: "), (rank, attempt, outcome)
+        assert ("megatron parameter decoder.layers.0.self_attention.q_layernorm.weight is gone from the model on "
+                "trainer rank 1") in outcome, (rank, attempt, outcome)
+        assert seconds < 20, (rank, attempt, seconds)
+
+
+def _two_megatron_stages_changing(tmp_path, change: str) -> list[tuple]:
+    """(rank, attempt, outcome, seconds) of `_megatron_stage_that_changes` on two real ranks (processes)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     outcomes = context.Queue()
-    ranks = [context.Process(target=_megatron_stage_that_gains_an_unknown_parameter, args=(rank, str(tmp_path / "store"),
-                                                                                            outcomes))
+    ranks = [context.Process(target=_megatron_stage_that_changes, args=(rank, str(tmp_path / "store"), change, outcomes))
              for rank in range(2)]
     for process in ranks:
         process.start()
     try:
-        seen = sorted(outcomes.get(timeout=240) for _ in range(4))
+        return sorted(outcomes.get(timeout=240) for _ in range(6))
     finally:
         for process in ranks:
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
-    for rank, attempt, outcome, seconds in seen:
-        assert outcome.startswith("ConfigError: "), (rank, attempt, outcome)
-        assert "megatron parameter decoder.layers.0.self_attention.adapter (4,): refit does not know" in outcome
-        assert seconds < 20, (rank, attempt, seconds)  # refused at once on both, not at the group's timeout

@@ -57,6 +57,7 @@ class MegatronLayout:
         self._first_replica = {False: parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
                                True: parallel_state.get_expert_data_parallel_rank() == 0}
         self._unreadable: ConfigError | None = None  # why the model's current parameters could not be read
+        self._sent_from: dict[str, str] = {}  # every checkpoint tensor this rank has sent parts of -> its megatron name
         self._read_current_parameters()
 
     def _read_current_parameters(self) -> None:
@@ -66,13 +67,16 @@ class MegatronLayout:
         the new one; a layout that kept the objects it first read would send the old weights, silently."""
         params = state_tensors(self.model)
         sends: dict[str, tuple[torch.Tensor, Slot]] = {}
+        sent_from: dict[str, str] = {}
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
             if slot.sends and self._first_replica[".mlp.experts." in f".{name}"]:
                 sends[slot.target] = (param, slot)
+                sent_from[slot.target] = name
         # Only once all are placed: a failure leaves them to be read again. The shapes too: a parameter's `.data`
         # may be swapped for another shape in place, which its slots were not made for.
         self._params = {name: (param, tuple(param.shape)) for name, param in params.items()}
         self._sends = sends
+        self._sent_from |= sent_from  # kept for tensors gone since: `_refuse_removed` names their parameter
 
     def finish_parameter_updates(self) -> None:
         """Finish the distributed optimizer's all-gather of the updated parameters, which `overlap_param_gather`
@@ -142,6 +146,7 @@ class MegatronLayout:
         raised as the stream starts, on this rank alone, it would leave the others waiting in a collective."""
         if self._unreadable is not None:
             raise self._unreadable
+        self._refuse_removed(plan, rank)
         held: dict[int, tuple[torch.Tensor, list[tuple[str, Slot]]]] = {}
         for planned in plan.tensors:
             if planned.source in self._sends:
@@ -155,6 +160,22 @@ class MegatronLayout:
                 raise InvalidTensorError(f"refusing to send any weight: {', '.join(bad)} "
                                          f"{'holds' if len(bad) == 1 else 'hold'} NaN or Inf on rank {rank} "
                                          f"(in its megatron parameter of shape {tuple(param.shape)})")
+
+    def _refuse_removed(self, plan: TransferPlan, rank: int) -> None:
+        """Refuse a plan that holds tensors this rank sent from a parameter since removed from the model.
+
+        Why: the rank no longer holds them, yet routes agreed before (kept per plan) still make it send them, where
+        reading them failed mid-stream with a bare `KeyError`; with fresh routes nobody holds them, and the rank
+        made to send them failed mid-stream naming neither the parameter nor why."""
+        gone: dict[str, list[str]] = {}
+        for planned in plan.tensors:
+            if planned.source not in self._sends and planned.source in self._sent_from:
+                gone.setdefault(self._sent_from[planned.source], []).append(planned.source)
+        if gone:
+            raise ConfigError("refusing to send any weight: " + "; ".join(
+                f"megatron parameter {name} is gone from the model on trainer rank {rank}, and the plan sends "
+                f"{', '.join(targets)} from it" for name, targets in gone.items())
+                + ": put it back, or make a new plan (a new Syncer) from the model as it is now")
 
     def shard_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
