@@ -43,7 +43,7 @@ import torch
 from refit.errors import PlanMismatchError
 from refit.plan.tensors import TensorMeta
 
-__all__ = ["CheckpointView", "checkpoint_tensors", "describe_weights", "state_tensors"]
+__all__ = ["CheckpointView", "HeldTensors", "checkpoint_tensors", "describe_weights", "state_tensors"]
 
 # The modules transformers' save conversion cuts out of a parameter (one
 # expert's gate, up or down projection) are Linear layers in the checkpoint
@@ -88,8 +88,8 @@ class CheckpointView:
         theirs (fp32 master weights that stream bf16, as FSDP2's mixed precision computes in bf16)."""
         self._model = model
         self._wire_dtype = wire_dtype
-        self._tensors = state_tensors(model)  # parameters and persistent buffers, as `state_dict` names them
-        self._described = {name: (t.dtype, t.shape) for name, t in self._tensors.items()}
+        self._held = HeldTensors(model)
+        self._tensors = self._held.tensors  # parameters and persistent buffers, as `state_dict` names them
         self._sources: dict[str, str] = {}  # checkpoint name -> the parameter or buffer it is, or is a piece of
         self._pieces: dict[str, _Piece] = {}  # checkpoint name -> where in its parameter a piece lies
         self._metas: list[TensorMeta] = []
@@ -99,23 +99,14 @@ class CheckpointView:
         return list(self._metas)
 
     def outdated(self) -> bool:
-        """Whether the model now holds other tensor objects than this view reads: a parameter replaced since it was
-        made (`load_state_dict(..., assign=True)`, `model.to(dtype)` under FSDP2), or one added or removed, or one
-        whose `.data` took another dtype or shape (`model.half()` on a plain module keeps each parameter object). A
-        view kept across steps reads only the objects it captured, and describes them as they were, so it must then
-        be made again."""
-        now = state_tensors(self._model)
-        return now.keys() != self._tensors.keys() or any(
-            now[name] is not t or (t.dtype, t.shape) != self._described[name] for name, t in self._tensors.items())
+        """Whether the model now holds other tensors than this view reads (`HeldTensors.outdated`): a view kept across
+        steps reads only the objects it captured, and describes them as they were, so it must then be made again."""
+        return self._held.outdated()
 
     def reads_current(self, name: str) -> bool:
         """Whether checkpoint tensor `name` is read from the object the model holds now (`outdated` for one tensor,
         without walking the whole model)."""
-        source = self._sources[name]
-        owner, _, attribute = source.rpartition(".")
-        module = self._model.get_submodule(owner) if owner else self._model
-        held = self._tensors[source]
-        return getattr(module, attribute, None) is held and (held.dtype, held.shape) == self._described[source]
+        return self._held.current(self._sources[name])
 
     def tensor(self, name: str) -> torch.Tensor:
         """The current value of checkpoint tensor `name` (a view where it is a piece); `KeyError` if unknown."""
@@ -189,6 +180,36 @@ class CheckpointView:
             )
         self._sources[meta.name] = source
         self._metas.append(meta)
+
+
+class HeldTensors:
+    """The tensors a model holds (`state_tensors`), as taken once: the objects, their dtypes and shapes.
+
+    Why: a reader that keeps a model's tensor objects (to read them at every
+    sync) must notice when the model holds others, or it sends old weights
+    silently. The one test of that for every reader (`CheckpointView`,
+    `refit.sharding.megatron.MegatronLayout`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self.tensors = state_tensors(model)
+        self._described = {name: (t.dtype, tuple(t.shape)) for name, t in self.tensors.items()}
+
+    def outdated(self) -> bool:
+        """Whether the model now holds other tensors than these: one replaced (`load_state_dict(..., assign=True)`,
+        `model.to(dtype)` under FSDP2), added or removed, or one whose `.data` took another dtype or shape
+        (`model.half()` on a plain module keeps each parameter object)."""
+        now = state_tensors(self._model)
+        return now.keys() != self.tensors.keys() or any(not self._same(name, t) for name, t in now.items())
+
+    def current(self, name: str) -> bool:
+        """`outdated` for the one tensor `name`, without walking the whole model."""
+        owner, _, attribute = name.rpartition(".")
+        module = self._model.get_submodule(owner) if owner else self._model
+        return self._same(name, getattr(module, attribute, None))
+
+    def _same(self, name: str, now: torch.Tensor | None) -> bool:
+        return now is self.tensors[name] and (now.dtype, tuple(now.shape)) == self._described[name]
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from refit.errors import ConfigError, InvalidTensorError
-from refit.plan.checkpoint_format import state_tensors
+from refit.plan.checkpoint_format import HeldTensors, state_tensors
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
@@ -65,7 +65,7 @@ class MegatronLayout:
 
         Why: a parameter can be replaced outright (`load_state_dict(..., assign=True)`), and the model computes with
         the new one; a layout that kept the objects it first read would send the old weights, silently."""
-        params = state_tensors(self.model)
+        held = HeldTensors(self.model)
         sends: dict[str, tuple[torch.Tensor, Slot]] = {}
         sent_from: dict[str, str] = {}
         for name, param, slot in megatron_slots(self.model, self.dims, self.place):
@@ -74,7 +74,7 @@ class MegatronLayout:
                 sent_from[slot.target] = name
         # Only once all are placed: a failure leaves them to be read again. The shapes too: a parameter's `.data`
         # may be swapped for another shape in place, which its slots were not made for.
-        self._params = {name: (param, tuple(param.shape)) for name, param in params.items()}
+        self._held = held
         self._sends = sends
         self._sent_from |= sent_from  # kept for tensors gone since: `_refuse_removed` names their parameter
 
@@ -87,10 +87,7 @@ class MegatronLayout:
         for wrapper in self._pending_gathers:
             wrapper.start_param_sync(force_sync=True)
         self._unreadable = None
-        current = state_tensors(self.model)
-        if current.keys() != self._params.keys() or any(
-                param is not self._params[name][0] or tuple(param.shape) != self._params[name][1]
-                for name, param in current.items()):
+        if self._held.outdated():
             try:
                 self._read_current_parameters()
             except ConfigError as error:  # raised in the preflight, where every rank refuses with it (`check_finite`)
