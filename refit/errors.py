@@ -22,6 +22,7 @@ __all__ = [
     "EngineError",
     "EngineGoneError",
     "EngineHungError",
+    "GatherFailedError",
     "GroupBroken",
     "InvalidTensorError",
     "LifecycleError",
@@ -115,6 +116,11 @@ class EngineHungError(SyncTimeoutError):
 
 class TransportError(RefitError, RuntimeError):
     """A transport cannot carry a sync: an unreachable rendezvous, a group a member left, no CUDA for `ipc`."""
+
+
+class GatherFailedError(RefitError, RuntimeError):
+    """A rank of a sharded trainer could not read its part of a tensor its stream gathers: every rank of that gather
+    raises this at once (the failing rank with its cause, the others naming it), and their collectives stay paired."""
 
 
 class GroupBroken(Exception):

@@ -15,6 +15,7 @@ megatron-core's parallel layers (`refit.sharding.megatron.MegatronLayout`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from refit import errors
-from refit.errors import PlanMismatchError, RefitError, with_settlement
+from refit.errors import GatherFailedError, PlanMismatchError, RefitError, with_settlement
 from refit.plan.config import QuantizeOn
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import loadable_form
@@ -236,6 +237,8 @@ class _Gathers:
         self._joined += 1
         try:
             return self._layout.gathered(source)
+        except GatherFailedError:
+            raise  # every holder raised it having met the same collectives: later gathers stay paired
         except BaseException:
             self._failed = source
             raise
@@ -245,7 +248,9 @@ class _Gathers:
 
         None after a gather raised here: which of its collectives the peers
         met is unknown (Megatron's exchanges sizes, then rows, then
-        allocates), so joining more could pair unlike collectives. Never
+        allocates), so joining more could pair unlike collectives; but a
+        `GatherFailedError`, which every holder raises alike having met the
+        same collectives, leaves the rest to join. Never
         raises: it runs as a stream ends, after the error that ended it; a
         gather that fails here leaves a group that gathers no more (a peer
         is gone, say). The log says so either way.
@@ -257,7 +262,8 @@ class _Gathers:
             return
         try:
             while self.left():
-                self.join_next(self._sources[self._joined])
+                with contextlib.suppress(GatherFailedError):  # its holders all refused it alike: on to the next
+                    self.join_next(self._sources[self._joined])
         except Exception as error:
             log.warning("sync %s: this rank could not join the %d gather(s) its stream left; its peers wait in them "
                         "until the group's timeout: %s", sync_id, len(self._sources) - self._joined, error)
