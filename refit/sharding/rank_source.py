@@ -70,7 +70,7 @@ class RankSource:
             try:
                 mine: dict | str = {t.target: rows for t in plan.tensors if (rows := self.layout.held(t.source)) is not ABSENT}
             except KeyError as error:
-                mine = f"trainer rank {self.rank}'s model has no {error.args[0]}, which the plan holds"
+                mine = self._lacks(error)
             except Exception as error:  # noqa: BLE001 - sent to every rank, each raises it
                 mine = f"trainer rank {self.rank} cannot route the plan's tensors: {type(error).__name__}: {error}"
             held: list = [None] * torch.distributed.get_world_size(self.group)
@@ -216,7 +216,14 @@ class RankSource:
         ]
         if problems:
             raise PlanMismatchError("refusing to send any weight:\n  " + "\n  ".join(problems))
-        self.layout.check_finite(plan, self.rank)
+        try:
+            self.layout.check_finite(plan, self.rank)
+        except KeyError as error:  # a tensor gone since the routes were agreed (they are kept per plan)
+            raise PlanMismatchError(f"refusing to send any weight: {self._lacks(error)}") from error
+
+    def _lacks(self, error: KeyError) -> str:
+        """What a layout's `KeyError` for a planned tensor means: this rank's model has no such tensor."""
+        return f"trainer rank {self.rank}'s model has no {error.args[0]}, which the plan holds"
 
 
 class _Gathers:

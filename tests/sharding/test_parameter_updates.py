@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from refit.errors import PlanMismatchError
 from refit.plan import RolloutModelInfo, SyncConfig, make_plan
 from refit.sharding import RankSource
 from refit.sharding.dtensor_layout import DTensorLayout
@@ -76,8 +77,6 @@ def test_a_parameter_whose_data_changed_dtype_or_shape_after_planning_is_refused
     """Found by review: the layout described each parameter once, so after `model.half()` (which keeps the parameter
     objects and swaps their `.data`) a stream's preflight saw the old dtype and sent every part, which the replica
     then refused at its first bucket; a shape swapped the same way was sent as well."""
-    from refit.errors import PlanMismatchError
-
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256)).to(torch.bfloat16)
@@ -90,6 +89,23 @@ def test_a_parameter_whose_data_changed_dtype_or_shape_after_planning_is_refused
         assert "0.weight: (256, 256) float16 in the trainer, (256, 256) bfloat16 in the plan" in str(refused.value)
         assert "1.bias: (128,) bfloat16 in the trainer, (256,) bfloat16 in the plan" in str(refused.value)
         assert "1.weight" not in str(refused.value)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_parameter_removed_after_a_sync_is_refused_by_name_before_any_part():
+    """Found by review: routes agreed for a plan are kept, so after a parameter was removed the next stream skipped
+    the check that names a tensor a rank's model lacks (made while agreeing them) and failed in its preflight with a
+    bare `KeyError` ('1.weight'), which the other ranks re-raised as that quoted name."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+        source = RankSource(model.to(torch.bfloat16))
+        plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig())
+        assert len(list(source.stream(plan.for_sync(new_sync_key())))) == len(plan.buckets)
+        del model[1]
+        with pytest.raises(PlanMismatchError, match=r"trainer rank 0's model has no 1\.weight, which the plan holds"):
+            next(iter(source.stream(plan.for_sync(new_sync_key()))))
     finally:
         torch.distributed.destroy_process_group()
 
