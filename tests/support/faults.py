@@ -186,6 +186,23 @@ def quantizing_fault(rank, fail_from: int | None = None, delay_s: float = 0.0) -
     rank_source.loadable_form = faulty
 
 
+def unreadable_part(rank, target: str | None) -> None:
+    """Run in a `MegatronRank` (`run_in`): reading its own part of checkpoint tensor `target` raises MemoryError (as
+    out of memory casting it would); with no `target`, reading is as before."""
+    layout = rank.source.layout
+    layout.__dict__.pop("_part", None)
+    if target is None:
+        return
+    read = layout._part
+
+    def failing(param, slot):
+        if slot.target == target:
+            raise MemoryError(f"out of memory reading {target} (injected)")
+        return read(param, slot)
+
+    layout._part = failing
+
+
 def fail_loading_from(rollout, bucket: int | None) -> None:
     """Run in a rollout actor (`run_in`): from its `bucket`-th bucket on, loading raises (None: loading is as before)."""
     if bucket is None:

@@ -184,6 +184,34 @@ def test_a_megatron_rank_that_dies_in_a_gather_is_named_and_the_replica_is_never
     assert status.phase in (Phase.SERVING, Phase.REFUSING) and status.served_version == version
 
 
+def test_a_megatron_rank_that_cannot_read_its_part_of_a_gather_fails_the_sync_at_once_and_the_group_syncs_on(
+        actors_factory):
+    """Found by review: a TP rank whose read of its columns of a row-parallel weight raised, before the gather's first
+    collective, joined no more gathers; its error reached the driver, but its peer waited in the all-gather until the
+    group's timeout, which broke the gloo group for good, so the next sync failed too."""
+    import time
+
+    from refit.engine import Phase
+    from tests.support.faults import unreadable_part
+
+    group = actors_factory.megatron_group(model_dir(False, "bf16"), MegatronParallel(tp=2), nodes=(0, 1), timeout_s=60)
+    replica = actors_factory.rollout(model_dir(False, "fp8_block"), node=2, **FP8_DUMMY)
+    config = refit.SyncConfig(transport="ray", bucket_bytes=256 << 10, timeout_s=60)
+    version = refit.sync(group, [replica], config).version
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    run_in(group.ranks[1], unreadable_part, o_proj)
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match=o_proj):  # rank 1's cause, or its peer's error naming it
+            refit.sync(group, [replica], config)
+    finally:
+        run_in(group.ranks[1], unreadable_part, None)
+    assert time.monotonic() - start < 30  # at once, not at the group's timeout
+    status = ray.get(replica.status.remote(), timeout=30)
+    assert status.phase in (Phase.SERVING, Phase.REFUSING) and status.served_version == version  # never a mix
+    assert refit.sync(group, [replica], config).replicas[0].served_version is not None
+
+
 def test_a_nan_in_a_fused_parameter_is_refused_naming_the_tensor_that_holds_it_and_the_group_syncs_on(actors_factory):
     """Found by review: the refusal named the first tensor cut from the parameter (q_proj, for a NaN in the v rows of
     `linear_qkv`), and checked the parameter once per tensor cut from it."""
