@@ -3,9 +3,10 @@
 Every rank of the group runs `RankSource.stream(plan)` at the same time, on
 the same plan. Each yields one part per bucket (possibly empty): the rows of
 that bucket's tensors the routes (`refit.sharding.routes`) give it. Ranks
-meet in collectives only to agree on the routes (once per plan) and for
-tensors routed `GATHER`, in plan order, so every rank calls them in the same
-order; the ranks stream one sync at a time (`refit.sharding.stream_turns`).
+meet in collectives only to agree on the routes (once per plan, after a
+flag every stream), for the preflight, and for tensors routed `GATHER`, in
+plan order, so every rank calls them in the same order; the ranks stream
+one sync at a time (`refit.sharding.stream_turns`).
 
 Where the rows are is the layout's business (`refit.sharding.layout`):
 FSDP2's row-sharded DTensors (`DTensorLayout`, the default for a model) or
@@ -62,9 +63,15 @@ class RankSource:
         return self.layout.metadata()
 
     def routes(self, plan: TransferPlan) -> dict[str, TensorRoute]:
-        """The plan's routes, agreed by all ranks once per plan (a collective)."""
+        """The plan's routes, agreed by all ranks once per plan (a collective).
+
+        Whether to agree again is decided by all ranks together (a flag each, every stream): a rank whose source was
+        made again (its model reloaded, say) has none, and agreeing alone would pair its collective with the others'
+        next one, the preflight's, each reading the other's payload as its own."""
         key = (plan.quantize_on, tuple((t.target, t.shape, t.block) for t in plan.tensors))
-        if self._routes is None or self._routes[0] != key:
+        kept: list = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(kept, self._routes is not None and self._routes[0] == key, group=self.group)
+        if not all(kept):
             # A rank that cannot say what it holds still joins the exchange, with its refusal: raised alone, it would
             # leave the others in the all-gather until the group's timeout, which breaks the group for good.
             try:
