@@ -89,7 +89,7 @@ from typing import Any
 from refit.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, TRANSFER_BACKEND, WORKER_EXTENSION
 from refit.engine.facts import EngineFacts
 from refit.engine.replica import Generation, ReplicaCore
-from refit.engine.server_gate import DUMMY_ENV, KEY_ENV, PASS_HOLD_HEADER, clean_key
+from refit.engine.server_gate import DUMMY_ENV, KEY_ENV, PASS_HOLD_HEADER, RPC_METHOD, clean_key
 from refit.engine.worker_rpc import decode_reply, encode_call
 from refit.errors import ConfigError, EngineError, EngineHungError, ServerError, ServerGoneError
 from refit.plan.config import Pause, SyncConfig
@@ -441,7 +441,7 @@ class ServerAdapter:
 
     def _call_workers_once(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
         """`method(*args)` on every worker through `refit_call`; raises the first worker's exception, with the URL."""
-        body = {"method": "refit_call", "args": [encode_call(method, *args)]}
+        body = {"method": RPC_METHOD, "args": [encode_call(method, *args)]}
         what = f"worker call {method}"
         answer = self._request("POST", "/collective_rpc", body, timeout_s=timeout_s, what=what)
         if not (isinstance(answer, dict) and isinstance(answer.get("results"), list) and answer["results"]):

@@ -35,6 +35,15 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   refuses (the dead replica's update may be half-loaded) until a sync is
   released as verified. A drive call or a `/refit/release` carrying a
   lapsed (or released) hold's token is refused 409 whoever holds now;
+- vLLM's routes that change the served weights by another way than
+  refit's are refused (403, naming the route or method): every
+  `/collective_rpc` whose `method` is not `RPC_METHOD` (vLLM's route calls
+  any worker method with the request's arguments; refit's own calls go
+  through `refit_call`, which runs only refit's allow-list and never takes
+  a file or an IPC handle from the network), and vLLM's weight-transfer
+  routes (`REFUSED_PATHS`), none of which refit's replica sends. A
+  `/collective_rpc` body is read whole (at most `MAX_RPC_BODY_BYTES`, else
+  413) and handed on to vLLM unchanged;
 - a replica that refuses after a failed sync (its model a mix of two
   versions) releases the hold as refusing: generation routes then answer
   503 with its reason, until a sync is released as verified. Whoever routes
@@ -65,8 +74,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-__all__ = ["CONTROL_PATHS", "DRIVING_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "PASS_HOLD_HEADER", "RefitGate",
-           "clean_key"]
+__all__ = ["CONTROL_PATHS", "DRIVING_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "MAX_RPC_BODY_BYTES", "PASS_HOLD_HEADER",
+           "REFUSED_PATHS", "RPC_METHOD", "RefitGate", "clean_key"]
 
 KEY_ENV = "REFIT_API_KEY"
 """The environment variable holding the server's key (the gate's), and the replica's default key."""
@@ -90,6 +99,20 @@ DRIVING_PATHS = frozenset({"/collective_rpc", "/pause", "/resume", "/update_weig
                            "/abort_requests"})
 """The control routes by which a replica drives an update: they renew a hold (and `POST /refit/...`, and refit's own
 generation). Health checks and reads do not, so a load balancer's probes cannot keep a dead replica's hold alive."""
+
+RPC_METHOD = "refit_call"
+"""The one worker method refit calls through `/collective_rpc` (`RefitWorkerExtension.refit_call`); any other is refused."""
+
+REFUSED_PATHS = frozenset({
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/weight_checker",
+})
+"""vLLM's weight-transfer routes, which refit's replica never sends: each would open, load into, finish or reset the
+workers' weights outside refit's update (its plan, its integrity tags, its post-refit stage), and `/update_weights`
+hands the backend contents naming memory files or CUDA IPC handles, which `refit_call` refuses from the network."""
+
+MAX_RPC_BODY_BYTES = 256 << 20
+"""The largest `/collective_rpc` body the gate reads (a plan of a model of many thousand tensors is a few MiB)."""
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -125,6 +148,16 @@ class RefitGate:
             await _answer(scope, send, *refused)
             return
         path = _path(scope)
+        if path.rstrip("/") in REFUSED_PATHS:
+            await _answer(scope, send, 403, {"error": (
+                f"{path} is refused by refit's gate: it would change the served weights outside refit's update (its "
+                "plan, integrity tags and post-refit stage); sync the server through its actors.ServerRollout")})
+            return
+        if path.rstrip("/") == "/collective_rpc" and scope["type"] == "http":
+            receive, refused = await _checked_rpc(scope, receive)
+            if refused is not None:
+                await _answer(scope, send, *refused)
+                return
         if path.startswith(GATE_PREFIX):
             await _answer(scope, send, *await self._own_route(scope, path))
             return
@@ -292,6 +325,51 @@ def clean_key(key: str, source: str, error: type[Exception]) -> str:
         raise error(f"{source} holds a control character or one outside Latin-1, or nothing: no HTTP header can carry "
                     "it as the server's key; use printable characters (secrets.token_urlsafe(32) makes one)")
     return key
+
+
+async def _checked_rpc(scope: Scope, receive: Receive) -> tuple[Receive, tuple[int, dict] | None]:
+    """Read a `/collective_rpc` body whole and check it names `RPC_METHOD`: a `receive` that hands vLLM the same
+    body, and the gate's answer if it refuses the call (400, 403, 413) instead."""
+    declared = _header(scope, "content-length")
+    too_big = (413, {"error": f"a /collective_rpc body is larger than refit's gate reads ({MAX_RPC_BODY_BYTES} bytes, "
+                              "MAX_RPC_BODY_BYTES); refit's own calls are far smaller"})
+    if declared is not None and declared.strip().isdigit() and int(declared) > MAX_RPC_BODY_BYTES:
+        return receive, too_big
+    chunks, size, disconnect = [], 0, None
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away: vLLM sees that as it would have
+            disconnect = message
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_RPC_BODY_BYTES:
+            return receive, too_big
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return disconnect or {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    if disconnect is not None:
+        return replay, None
+    try:
+        call = json.loads(body)
+    except ValueError as error:
+        return replay, (400, {"error": f"a /collective_rpc body must be a JSON object ({error})"})
+    method = call.get("method") if isinstance(call, dict) else None
+    if method != RPC_METHOD:
+        return replay, (403, {"error": (
+            f"/collective_rpc method {str(method)[:100]!r} is refused by refit's gate: only {RPC_METHOD!r} (refit's "
+            "worker RPC, which runs refit's own worker methods) passes; vLLM's route would call any worker method "
+            "with the request's arguments")})
+    return replay, None
 
 
 def _seconds(text: str) -> float | None:

@@ -456,21 +456,34 @@ def test_a_server_that_restarted_since_the_last_sync_is_shown_refusing_not_servi
 # -- the gate, as vLLM's app sees it (an ASGI middleware), in this process ----------------------------------------
 
 class _App:
-    """vLLM's app behind the gate: records what reached it; `/v1/completions` waits for `finish` when told to."""
+    """vLLM's app behind the gate: records what reached it (and the body it read); `/v1/completions` waits for `finish`
+    when told to."""
 
     def __init__(self) -> None:
         self.reached: list[str] = []
+        self.bodies: list[bytes] = []
         self.finish: asyncio.Event | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         self.reached.append(scope["path"])
+        message, read = {"more_body": True}, b""
+        while message.get("more_body"):
+            message = await receive()
+            read += message.get("body", b"")
+        self.bodies.append(read)
         if scope["path"] == "/v1/completions" and self.finish is not None:
             await self.finish.wait()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def _ask(gate, path: str, key: str | None = "the key", verb: str = "POST", headers=()) -> tuple[int, dict | None]:
+_RPC_BODY = json.dumps({"method": "refit_call", "args": ['{"method": "refit_boot_id", "args": []}']}).encode()
+
+
+async def _ask(gate, path: str, key: str | None = "the key", verb: str = "POST", headers=(),
+               body: bytes | None = None) -> tuple[int, dict | None]:
+    """`verb path` through the gate; `body` is sent in two chunks (a `/collective_rpc` sends refit's call unless told)."""
+    body = (_RPC_BODY if path.startswith("/collective_rpc") else b"") if body is None else body
     query = b""
     if "?" in path:
         path, query = path.split("?", 1)[0], path.split("?", 1)[1].encode()
@@ -478,9 +491,11 @@ async def _ask(gate, path: str, key: str | None = "the key", verb: str = "POST",
     scope = {"type": "http", "method": verb, "path": path, "query_string": query, "root_path": "",
              "headers": [*sent, *headers]}
     answer: dict = {}
+    chunks = [body[: len(body) // 2], body[len(body) // 2:]]
 
     async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)} if chunks else \
+            {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -815,3 +830,42 @@ def test_a_release_that_fails_still_forgets_the_holds_token():
     finally:
         server.close()
     assert adapter._pass_token is None and adapter._marked is False
+
+
+@pytest.mark.parametrize("method", ["reset_weights", "refit_expect_plan", "update_weights", "", None, 7])
+def test_the_gate_refuses_a_worker_rpc_other_than_refits_naming_the_method_before_vllm_sees_it(gate, method):
+    """Found by review: behind the key, vLLM's `/collective_rpc` called any worker method with the request's
+    arguments (a memory file or a CUDA IPC handle for `update_weights`, `reset_weights`), though refit only ever
+    calls `refit_call`."""
+    refit_gate, app = gate
+    status, body = asyncio.run(_ask(refit_gate, "/collective_rpc", body=json.dumps({"method": method, "args": []}).encode()))
+    assert status == 403 and f"/collective_rpc method {str(method)!r} is refused by refit's gate" in body["error"], body
+    assert app.reached == []
+    status, body = asyncio.run(_ask(refit_gate, "/collective_rpc", body=b"{not json"))
+    assert status == 400 and "must be a JSON object" in body["error"] and app.reached == []
+    assert asyncio.run(_ask(refit_gate, "/collective_rpc")) == (200, None)  # refit's own passes, its body unchanged
+    assert app.reached == ["/collective_rpc"] and app.bodies == [_RPC_BODY]
+
+
+@pytest.mark.parametrize("path", ["/update_weights", "/start_weight_update", "/finish_weight_update",
+                                  "/init_weight_transfer_engine", "/weight_checker", "/start_weight_update/"])
+def test_the_gate_refuses_vllms_weight_transfer_routes_by_name_and_keeps_generation_routes(gate, path):
+    """Found by review: vLLM's weight-transfer routes, which refit never sends, loaded, finished or reset the
+    workers' weights outside refit's update, and were held or passed as if they were users' generation routes."""
+    refit_gate, app = gate
+    status, body = asyncio.run(_ask(refit_gate, path, body=b'{"update_info": {}}'))
+    assert status == 403 and f"{path} is refused by refit's gate" in body["error"] and app.reached == [], body
+    assert asyncio.run(_ask(refit_gate, "/v1/completions"))[0] == 200 and app.reached == ["/v1/completions"]
+
+
+def test_the_gate_reads_no_worker_rpc_body_past_its_bound(gate, monkeypatch):
+    from refit.engine import server_gate
+
+    monkeypatch.setattr(server_gate, "MAX_RPC_BODY_BYTES", 64)
+    refit_gate, app = gate
+    huge = json.dumps({"method": "refit_call", "args": ["x" * 100]}).encode()
+    status, body = asyncio.run(_ask(refit_gate, "/collective_rpc", body=huge))
+    assert status == 413 and "larger than refit's gate reads (64 bytes" in body["error"] and app.reached == []
+    declared = [(b"content-length", str(1 << 40).encode())]  # refused before a byte is read
+    status, body = asyncio.run(_ask(refit_gate, "/collective_rpc", headers=declared, body=b""))
+    assert status == 413 and app.reached == []
