@@ -34,7 +34,11 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   the first is loading. A lapsed hold may be taken over: the server then
   refuses (the dead replica's update may be half-loaded) until a sync is
   released as verified. A drive call or a `/refit/release` carrying a
-  lapsed (or released) hold's token is refused 409 whoever holds now;
+  lapsed (or released) hold's token is refused 409 whoever holds now, and
+  so is a drive call carrying no token while a hold lives (a replica whose
+  release was refused has forgotten its token): only the holder drives the
+  workers during its update. Worker calls that only read
+  (`READING_METHODS`) pass, so other replicas can connect and look;
 - vLLM's routes that change the served weights by another way than
   refit's are refused (403, naming the route or method): every
   `/collective_rpc` whose `method` is not `RPC_METHOD` (vLLM's route calls
@@ -75,7 +79,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 __all__ = ["CONTROL_PATHS", "DRIVING_PATHS", "DUMMY_ENV", "GATE_PREFIX", "KEY_ENV", "MAX_RPC_BODY_BYTES", "PASS_HOLD_HEADER",
-           "REFUSED_PATHS", "RPC_METHOD", "RefitGate", "clean_key"]
+           "READING_METHODS", "REFUSED_PATHS", "RPC_METHOD", "RefitGate", "clean_key"]
 
 KEY_ENV = "REFIT_API_KEY"
 """The environment variable holding the server's key (the gate's), and the replica's default key."""
@@ -113,6 +117,11 @@ hands the backend contents naming memory files or CUDA IPC handles, which `refit
 
 MAX_RPC_BODY_BYTES = 256 << 20
 """The largest `/collective_rpc` body the gate reads (a plan of a model of many thousand tensors is a few MiB)."""
+
+READING_METHODS = frozenset({"refit_boot_id", "refit_engine_facts", "refit_streamed", "refit_base_digest",
+                             "refit_scale_records"})
+"""refit's worker methods that change nothing: a replica without the hold may call them (connecting, looking whether
+the server restarted) while another replica's update holds the server."""
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -153,8 +162,9 @@ class RefitGate:
                 f"{path} is refused by refit's gate: it would change the served weights outside refit's update (its "
                 "plan, integrity tags and post-refit stage); sync the server through its actors.ServerRollout")})
             return
+        worker_method = None
         if path.rstrip("/") == "/collective_rpc" and scope["type"] == "http":
-            receive, refused = await _checked_rpc(scope, receive)
+            receive, refused, worker_method = await _checked_rpc(scope, receive)
             if refused is not None:
                 await _answer(scope, send, *refused)
                 return
@@ -172,6 +182,19 @@ class RefitGate:
                     f"this request's {PASS_HOLD_HEADER} names a hold this server no longer has (it lapsed, or was "
                     "released): the replica that sent it no longer drives an update here; begin a new sync")})
                 return
+            if driving and sent is None and self._held and worker_method not in READING_METHODS:
+                left = self._hold_deadline - time.monotonic()
+                if left > 0:
+                    # The key's holder drives freely between updates, not into one: a replica whose release was refused
+                    # (its hold lapsed and another took the server) forgets its token, and its abandon, resume or
+                    # bucket would close or change the update of the replica that holds the server now.
+                    await _answer(scope, send, 409, {"error": (
+                        f"{path} ({worker_method or 'no worker call'}) without the {PASS_HOLD_HEADER} header of the "
+                        f"hold that another replica's update has on this server (it lapses in {left:.0f} s unless that "
+                        "replica calls again): only the holder drives the workers during its update; sync through "
+                        "that replica, or begin a new sync once its hold has lapsed")})
+                    return
+                await self._lapse()
             if holder and driving:
                 self._renew_hold()
             await self.app(scope, receive, send)
@@ -327,14 +350,15 @@ def clean_key(key: str, source: str, error: type[Exception]) -> str:
     return key
 
 
-async def _checked_rpc(scope: Scope, receive: Receive) -> tuple[Receive, tuple[int, dict] | None]:
+async def _checked_rpc(scope: Scope, receive: Receive) -> tuple[Receive, tuple[int, dict] | None, str | None]:
     """Read a `/collective_rpc` body whole and check it names `RPC_METHOD`: a `receive` that hands vLLM the same
-    body, and the gate's answer if it refuses the call (400, 403, 413) instead."""
+    body, the gate's answer if it refuses the call (400, 403, 413) instead, and the refit worker method it calls
+    (None if it names none: the worker refuses it)."""
     declared = _header(scope, "content-length")
     too_big = (413, {"error": f"a /collective_rpc body is larger than refit's gate reads ({MAX_RPC_BODY_BYTES} bytes, "
                               "MAX_RPC_BODY_BYTES); refit's own calls are far smaller"})
     if declared is not None and declared.strip().isdigit() and int(declared) > MAX_RPC_BODY_BYTES:
-        return receive, too_big
+        return receive, too_big, None
     chunks, size, disconnect = [], 0, None
     while True:
         message = await receive()
@@ -344,7 +368,7 @@ async def _checked_rpc(scope: Scope, receive: Receive) -> tuple[Receive, tuple[i
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > MAX_RPC_BODY_BYTES:
-            return receive, too_big
+            return receive, too_big, None
         if not message.get("more_body", False):
             break
     body = b"".join(chunks)
@@ -358,18 +382,27 @@ async def _checked_rpc(scope: Scope, receive: Receive) -> tuple[Receive, tuple[i
         return await receive()
 
     if disconnect is not None:
-        return replay, None
+        return replay, None, None
     try:
         call = json.loads(body)
     except ValueError as error:
-        return replay, (400, {"error": f"a /collective_rpc body must be a JSON object ({error})"})
+        return replay, (400, {"error": f"a /collective_rpc body must be a JSON object ({error})"}), None
     method = call.get("method") if isinstance(call, dict) else None
     if method != RPC_METHOD:
         return replay, (403, {"error": (
             f"/collective_rpc method {str(method)[:100]!r} is refused by refit's gate: only {RPC_METHOD!r} (refit's "
             "worker RPC, which runs refit's own worker methods) passes; vLLM's route would call any worker method "
-            "with the request's arguments")})
-    return replay, None
+            "with the request's arguments")}), None
+    return replay, None, _worker_method(call.get("args"))
+
+
+def _worker_method(args: Any) -> str | None:
+    """The refit worker method a `refit_call`'s arguments name (`worker_rpc.encode_call`), or None."""
+    try:
+        named = json.loads(args[0]).get("method") if isinstance(args, list) and args else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) else None
 
 
 def _seconds(text: str) -> float | None:

@@ -565,9 +565,9 @@ def test_the_gate_holds_generation_not_control_routes_drains_what_passed_and_rel
         await running
         state = (await _ask(refit_gate, "/refit/drain?timeout_s=5"))[1]
         assert state["in_flight"] == 0 and state["waiting"] == 1 and "/v1/chat/completions" not in app.reached
-        for control in ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/v1/models"):
-            assert (await _ask(refit_gate, control))[0] == 200
         token = hold["pass_token"].encode()
+        for control in ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/v1/models"):
+            assert (await _ask(refit_gate, control, headers=[(PASS_HOLD_HEADER.encode(), token)]))[0] == 200
         assert (await _ask(refit_gate, "/v1/completions", headers=[(PASS_HOLD_HEADER.encode(), token)]))[0] == 200
         # Found by review: any key holder passed the hold with the header; only the hold's own token passes it.
         for guessed in (b"1", "\u00e9t\u00e9".encode("latin-1")):
@@ -771,6 +771,41 @@ def test_a_replica_whose_hold_lapsed_cannot_drive_the_update_of_the_replica_that
     asyncio.run(scenario())
 
 
+def _rpc(method: str, *args) -> bytes:
+    return json.dumps({"method": "refit_call", "args": [encode_call(method, *args)]}).encode()
+
+
+def test_while_a_hold_lives_a_call_without_its_token_drives_nothing_and_reads_pass(gate):
+    """Found by review: a replica whose release was refused (its hold lapsed, another replica took the server over)
+    forgets its token, and its calls without one passed: its abandon closed the new holder's open update, its resume
+    restarted the scheduler mid-load."""
+    refit_gate, app = gate
+
+    async def scenario() -> None:
+        mine = await _hold(refit_gate, "/refit/hold?lease_s=60")
+        for path, body in (("/collective_rpc", _rpc("refit_abandon_update")), ("/collective_rpc", _rpc("update_weights")),
+                           ("/collective_rpc", _rpc("refit_start_update", None, "ray", False)), ("/resume", b""),
+                           ("/pause", b""), ("/update_weight_version", b"{}")):
+            status, answer = await _ask(refit_gate, path, body=body)
+            assert status == 409 and "only the holder drives the workers during its update" in answer["error"], answer
+        assert app.reached == []
+        for method in ("refit_boot_id", "refit_engine_facts", "refit_streamed"):  # connecting, looking: reads pass
+            assert (await _ask(refit_gate, "/collective_rpc", body=_rpc(method)))[0] == 200
+        assert (await _ask(refit_gate, "/collective_rpc", headers=mine, body=_rpc("refit_abandon_update")))[0] == 200
+        assert (await _ask(refit_gate, "/refit/release?synced=0", headers=mine))[0] == 200
+        assert (await _ask(refit_gate, "/collective_rpc", body=_rpc("refit_abandon_update")))[0] == 200  # no hold
+        await _hold(refit_gate, "/refit/hold?lease_s=0.3")
+        await asyncio.sleep(0.6)  # lapsed: its update may be half-loaded, the server refuses, a key holder drives
+        assert (await _ask(refit_gate, "/resume"))[0] == 200
+        assert (await _ask(refit_gate, "/refit/state", verb="GET"))[1]["refusing"].startswith("refit's replica stopped")
+
+    asyncio.run(scenario())
+    from refit.engine.server_gate import READING_METHODS
+    from refit.engine.worker_rpc import SERVER_METHODS
+
+    assert READING_METHODS <= SERVER_METHODS
+
+
 def test_a_key_with_a_secret_files_newline_is_sent_without_it_and_a_key_no_header_carries_is_refused_unprinted(
         monkeypatch):
     """A key read from a secret file often ends in a newline: the replica raised urllib's bare `ValueError: Invalid
@@ -927,3 +962,35 @@ def test_a_real_server_refuses_every_worker_rpc_and_weight_route_but_refits_and_
     assert status == 200 and decode_reply(json.loads(text)["results"][0])[0] is True
     assert configured_server.json("/v1/models")["data"][0]["id"] == configured_server.model
     assert configured_server.json("/weight_info") == version and configured_server.process.poll() is None
+
+
+@pytest.mark.engine
+def test_a_replica_without_the_hold_cannot_close_or_change_the_holders_open_update(configured_server):
+    """Found by review, on a real server: a replica whose hold lapsed and whose release was refused (another
+    replica had taken the server over) sent its calls on without a token, and its abandon closed the new holder's
+    open update on the workers (vLLM then took any replica's start over it)."""
+    from refit.engine.server import ServerAdapter
+    from refit.plan.transfer_plan import QuantizeOn, TransferPlan
+
+    url, key = configured_server.url, configured_server.api_key
+    holder = ServerAdapter(url, key)
+    stale = ServerAdapter(url, key)  # no token: as a lapsed replica after its refused release
+    mine, theirs = WorkerCalls(holder.call_workers), WorkerCalls(stale.call_workers)
+    plan = TransferPlan((), QuantizeOn.TRAINER, b"k")
+    holder.hold_requests(120)
+    try:
+        mine.start_update(plan, Transport.RAY)
+        refused = r"HTTP 409.*only the holder drives the workers during its update"
+        for act in (theirs.abandon_update, theirs.finish_update, lambda: theirs.start_update(plan, Transport.RAY),
+                    lambda: theirs.receive([], [], 3, verify=True), stale.resume):
+            with pytest.raises(ServerError, match=refused):
+                act()
+        assert theirs.streamed() == [] and len(theirs.base_digests()) == 1  # reading passes
+        with pytest.raises(EngineError, match="already active"):  # the holder's update is still open
+            mine.start_update(plan, Transport.RAY)
+    finally:
+        mine.abandon_update()  # its holder closes it
+        holder.release_requests()
+    theirs.start_update(plan, Transport.RAY)  # no hold now: the key's holder drives
+    theirs.abandon_update()
+    assert configured_server.json("/refit/state")["held"] is False
