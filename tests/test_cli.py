@@ -165,6 +165,19 @@ def test_serve_refuses_an_option_it_must_refuse_when_vllms_config_file_gives_it(
     assert "VLLM_SERVER_DEV_MODE" not in os.environ  # nothing was started, nothing was changed
 
 
+def test_serve_takes_the_key_and_a_dummy_load_from_vllms_config_file(tmp_path, monkeypatch):
+    """The file's `api-key:` is the server's key, as `--api-key` is (before, the environment's silently replaced
+    it), and its `load-format: dummy` is told to the gate (a real server: tests/engine/test_server.py)."""
+    _never_serve(monkeypatch)
+    monkeypatch.setenv("REFIT_API_KEY", "from-the-environment")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"))
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: from-the-file\nload-format: dummy\n")
+    with pytest.raises(AssertionError, match="went on to start"):
+        main(["serve", str(model_dir(True, "fp8_block")), "--config", str(config), "--port", "1"])
+    assert os.environ["REFIT_API_KEY"] == "from-the-file" and os.environ["REFIT_SERVE_DUMMY"] == "1"
+
+
 def test_serve_names_a_config_file_it_cannot_read(tmp_path, capsys, monkeypatch):
     _never_serve(monkeypatch)
     config = tmp_path / "serve.yaml"
