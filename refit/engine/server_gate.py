@@ -177,7 +177,7 @@ class RefitGate:
             driving = path.rstrip("/") in DRIVING_PATHS
             if driving and sent is not None and not holder:
                 # A replica whose hold lapsed (or was released) would drive the workers' update on: into another
-                # replica's update, once that one holds the server. A call without a token is a key holder's own.
+                # replica's update, once that one holds the server. A call without a token: below.
                 await _answer(scope, send, 409, {"error": (
                     f"this request's {PASS_HOLD_HEADER} names a hold this server no longer has (it lapsed, or was "
                     "released): the replica that sent it no longer drives an update here; begin a new sync")})
