@@ -206,13 +206,16 @@ class Syncer:
             return
         name, self._transport_reason = pick_transport(self._sources, roll, self.config)
         if self.transport != name:
-            self._group.disconnect(self._fleet.members)
+            # Not a replica the pick dropped: it did not answer there, and asking it again costs another deadline.
+            self._group.disconnect(roll.members)
             # The fleet keeps `auto`: a replica added later is checked for what some transport needs, and the next
             # sync picks again for the changed fleet.
             self.config = replace(self.config, transport=name)
             self._group = CollectiveGroupLifecycle(self._sources, self.config)
             self._delta = DeltaNegotiation(self._sources, self.config)
-        self._picked_for = tuple(self._fleet.names)
+        # Picked for those that answered: one the pick dropped, still a member if the sync fails later, was not heard,
+        # so the next sync asks again rather than sending it over a transport picked without it.
+        self._picked_for = tuple(who for who, _ in roll.members)
 
     # -- the sync ---------------------------------------------------------------------
     def wait_until_started(self) -> float:

@@ -322,3 +322,64 @@ def test_a_loss_at_the_transport_pick_below_min_replicas_fails_the_sync_by_name_
         syncer.sync()
     assert "fewer than SyncConfig.min_replicas=2" in "\n".join(raised.value.__notes__)
     assert [r.begins for r in replicas] == [0, 0] and syncer.replica_names == ["rollout 0", "rollout 1"]
+
+
+class OnceFailingReplica(AskedReplica):
+    """An `AskedReplica` whose first `transports()` or first `begin_update` raises `error` (a loss), and counts asks."""
+
+    def __init__(self, expected, *, transports_error=None, begin_error=None) -> None:
+        super().__init__(expected)
+        self.asked, self.first_transports_error, self.first_begin_error = 0, transports_error, begin_error
+
+    def transports(self):
+        self.asked += 1
+        error, self.first_transports_error = self.first_transports_error, None
+        if error is not None:
+            raise error
+        return super().transports()
+
+    def begin_update(self, plan, sync_id, config):
+        error, self.first_begin_error = self.first_begin_error, None
+        if error is not None:
+            self.begins += 1
+            raise error
+        return super().begin_update(plan, sync_id, config)
+
+
+def test_a_replica_dropped_at_the_pick_of_a_sync_that_failed_is_asked_again_at_the_next_pick():
+    """Found by review: the pick was cached for the whole fleet, the replica it dropped (and never heard) included, so
+    once the sync failed later and the fleet kept it, the next sync took a transport picked without it."""
+    trainer, _ = setup(0)
+    expected = expected_names(trainer.model)
+    replicas = [OnceFailingReplica(expected),
+                OnceFailingReplica(expected, transports_error=EngineHungError("no answer within 5 s")),
+                OnceFailingReplica(expected, begin_error=EngineHungError("begin: no answer within 5 s"))]
+    syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, transport="auto", min_replicas=2))
+    with pytest.raises(EngineHungError, match="begin: no answer"):
+        syncer.sync()  # rollout 1 lost at the pick, rollout 2 at begin: below quorum, the fleet is kept
+    assert syncer.replica_names == ["rollout 0", "rollout 1", "rollout 2"]
+    report = syncer.sync()
+    assert replicas[1].asked == 2 and not report.dropped and [r.replica for r in report.replicas] == [0, 1, 2]
+
+
+def test_a_replica_the_pick_dropped_is_not_waited_for_again_when_the_fleet_leaves_its_collective_group(monkeypatch):
+    """Found by review: a new pick that left `collective` asked every member of the fleet to leave the group, the
+    hung one the pick had just dropped included: a second deadline for one loss."""
+    import refit.orchestration.syncer as syncer_module
+
+    trainer, replicas = setup(3)
+    syncer = Syncer(trainer, replicas, dataclasses.replace(CONFIG, transport="auto"))
+    monkeypatch.setattr(syncer_module, "pick_transport", lambda *_: ("collective", "every member can join a group"))
+    syncer._pick_transport(Roll(syncer._fleet.members, 1))
+    left: list = []
+    monkeypatch.setattr(syncer._group, "disconnect", lambda members: left.append([who for who, _ in members]))
+
+    def dropping_pick(sources, roll, config):
+        roll.drop([("rollout 1", "missed the deadline", EngineHungError("no answer within 5 s"))], "(picking)")
+        return "ray", "rollout 2 takes only the object store"
+
+    monkeypatch.setattr(syncer_module, "pick_transport", dropping_pick)
+    syncer._picked_for = None  # the fleet changed
+    roll = Roll(syncer._fleet.members, 1)
+    syncer._pick_transport(roll)
+    assert syncer.transport == "ray" and left == [["rollout 0", "rollout 2"]]
