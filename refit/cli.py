@@ -320,11 +320,22 @@ def _with_config_file(parser: argparse.ArgumentParser, vllm_args: list[str]) -> 
     from refit.errors import ConfigError
 
     try:
-        return parser._pull_args_from_config(["serve", *vllm_args])[1:]  # vLLM's own reading, not a copy of it
+        return parser._pull_args_from_config(["serve", *_model_first(vllm_args)])[1:]  # vLLM's own reading
     except (AssertionError, ValueError, OSError, AttributeError, yaml.YAMLError) as error:  # vLLM asserts one --config;
         # a file whose YAML is no mapping fails on `.items()`
         raise ConfigError(f"--config: vLLM's config file could not be read ({type(error).__name__}: {error}); give "
                           "one readable .yaml file of vllm serve options") from None
+
+
+def _model_first(vllm_args: list[str]) -> list[str]:
+    """`vllm_args` with a `--model M` (or `--model=M`) moved to the front as the positional MODEL, as vLLM's parser
+    does before it reads a `--config` file: without it the file's reading finds no model and refuses the line."""
+    at = next((i for i, arg in enumerate(vllm_args) if arg == "--model" or arg.startswith("--model=")), None)
+    if at is None or (vllm_args[at] == "--model" and at + 1 == len(vllm_args)):
+        return vllm_args
+    if vllm_args[at] == "--model":
+        return [vllm_args[at + 1], *vllm_args[:at], *vllm_args[at + 2:]]
+    return [vllm_args[at].removeprefix("--model="), *vllm_args[:at], *vllm_args[at + 1:]]
 
 
 if __name__ == "__main__":

@@ -290,3 +290,15 @@ def test_inspect_json_stdout_holds_only_the_json_while_ray_broadcasts_a_warning(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "a warning for every driver" in result.stderr  # still shown to the user, on stderr
     assert isinstance(json.loads(result.stdout), list), result.stdout[:1000]
+
+
+def test_serve_takes_the_model_as_model_option_beside_vllms_config_file(tmp_path, monkeypatch):
+    """Found by review: `vllm serve --model M --config FILE` is vLLM's own form (its parser moves `--model` to the
+    front before reading the file), but refit read the file first and refused it as naming no model."""
+    _never_serve(monkeypatch)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"))
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: from-the-file\nload-format: dummy\n")
+    with pytest.raises(AssertionError, match="went on to start"):
+        main(["serve", "--model", str(model_dir(True, "fp8_block")), "--config", str(config), "--port", "1"])
+    assert os.environ["REFIT_API_KEY"] == "from-the-file" and os.environ["REFIT_SERVE_DUMMY"] == "1"
