@@ -222,7 +222,8 @@ class AsyncLLMAdapter:
         Why one loop: an `AsyncLLM` answers requests through a task and queues of the loop its first request came
         from, and Ray runs each concurrency group of an async actor on a loop of its own. A sync's calls and users'
         requests may arrive on different ones; both are handed to this one. A loop that closed (it served a
-        constructor's `asyncio.run`) is replaced by the next offered.
+        constructor's `asyncio.run`) is replaced by the next offered; an engine that served requests there would not
+        answer on another (vLLM's output task died with that loop), so make the replica where the engine will run.
         """
         if self.loop is None or self.loop.is_closed():
             self.loop = loop

@@ -39,15 +39,17 @@ vLLM's dev routes (`/collective_rpc`, `/pause`, `/update_weight_version`,
   release was refused has forgotten its token): only the holder drives the
   workers during its update. Worker calls that only read
   (`READING_METHODS`) pass, so other replicas can connect and look;
-- vLLM's routes that change the served weights by another way than
-  refit's are refused (403, naming the route or method): every
-  `/collective_rpc` whose `method` is not `RPC_METHOD` (vLLM's route calls
-  any worker method with the request's arguments; refit's own calls go
-  through `refit_call`, which runs only refit's allow-list and never takes
-  a file or an IPC handle from the network), and vLLM's weight-transfer
-  routes (`REFUSED_PATHS`), none of which refit's replica sends. A
-  `/collective_rpc` body is read whole (at most `MAX_RPC_BODY_BYTES`, else
-  413) and handed on to vLLM unchanged;
+- vLLM's worker RPC and weight-transfer routes are refused (403, naming
+  the route or method): every `/collective_rpc` whose `method` is not
+  `RPC_METHOD` (vLLM's route calls any worker method with the request's
+  arguments; refit's own calls go through `refit_call`, which runs only
+  refit's allow-list and never takes a file or an IPC handle from the
+  network), and vLLM's weight-transfer routes (`REFUSED_PATHS`), none of
+  which refit's replica sends. A `/collective_rpc` body is read whole (at
+  most `MAX_RPC_BODY_BYTES`, else 413) and handed on to vLLM unchanged.
+  Other routes that can change what is served stay the key holder's, as
+  operations of the server: `/sleep` (level 2 drops the weights) with
+  `/wake_up`, and `/v1/load_lora_adapter` where runtime LoRA updates are on;
 - a replica that refuses after a failed sync (its model a mix of two
   versions) releases the hold as refusing: generation routes then answer
   503 with its reason, until a sync is released as verified. Whoever routes
