@@ -39,6 +39,18 @@ __all__ = ["RankSource"]
 log = logging.getLogger(__name__)
 
 
+_ENDED_HERE: dict[int, collections.deque[str]] = {}
+
+
+def _ended_here(group: torch.distributed.ProcessGroup | None) -> collections.deque[str]:
+    """The latest syncs whose streams this process ended as a rank of `group`.
+
+    Why the process's, not a source's: `take_turn` waits for a holder this rank has ended (its peers are still ending
+    it) and refuses one it has not. A source made again (its model reloaded) would otherwise know of none, and refuse
+    its own caller's next sync while a slower peer still ends the last one."""
+    return _ENDED_HERE.setdefault(id(group), collections.deque(maxlen=16))
+
+
 class RankSource:
     """The weight source of one rank; `group` is the trainer's process group (every rank of the trainer)."""
 
@@ -56,7 +68,7 @@ class RankSource:
         self.gathered_bytes = 0  # bytes this rank received from all-gathers in the last stream
         self.sent: dict[str, int] = {}  # in the last stream: tensors sent per route, "quantized_rows", "bytes"
         self._routes: tuple[tuple, dict[str, TensorRoute]] | None = None
-        self._ended_syncs: collections.deque[str] = collections.deque(maxlen=16)  # the latest syncs streamed here
+        self._ended_syncs = _ended_here(group)  # the latest syncs streamed here, by any source of this rank
         self._unsettled: Callable[[], None] | None = None  # what a failed stream still owes its peers (`stream`)
 
     def metadata(self):

@@ -24,14 +24,30 @@ def _rank_whose_source_is_remade(rank: int, store_path: str, outcomes) -> None:
         for attempt in range(2):
             if rank == 1 and attempt == 1:
                 source = RankSource(model)
-            report_stream(outcomes, rank, attempt, source.stream, plan.for_sync(b"key", f"s{attempt}", 20.0))
+            this = plan.for_sync(b"key", f"s{attempt}", 20.0)
+            if rank == 0 and attempt == 0:  # rank 1 starts the next sync, with its new source, before rank 0 ends this one
+                report_stream(outcomes, rank, attempt, _ending_late, source.stream, this, 2.0)
+            else:
+                report_stream(outcomes, rank, attempt, source.stream, this)
+
+
+def _ending_late(stream, plan, seconds: float) -> list:
+    """`stream(plan)`'s parts, its end (which ends the rank's turn) `seconds` after its last part."""
+    import time
+
+    parts = stream(plan)
+    taken = [next(parts) for _ in plan.buckets]
+    time.sleep(seconds)
+    return taken + list(parts)
 
 
 def test_a_rank_whose_source_was_made_again_streams_with_ranks_that_kept_theirs(tmp_path):
     """Found by review: each source agrees the routes of a plan once, in a collective, and keeps them; a source made
     again (on one rank) agreed them anew while the others, keeping theirs, went on to the preflight's collective, so
     the two collectives paired across (each read the other's payload as its own) and the ranks failed or waited until
-    the group's timeout. Now whether to agree again is decided by all ranks together."""
+    the group's timeout. Now whether to agree again is decided by all ranks together. And a source made again
+    remembers the syncs its rank ended (before, it refused its caller's next sync while a slower peer still ended the
+    last one: `LifecycleError: ... this trainer's ranks are streaming sync s0`)."""
     seen = run_two_ranks(_rank_whose_source_is_remade, tmp_path, reports=4, timeout_s=120)
     assert [outcome for _, _, outcome, _ in seen] == ["streamed 1"] * 4, seen
     assert all(seconds < 15 for _, _, _, seconds in seen), seen  # none waited until the group's timeout (20 s)
