@@ -211,18 +211,31 @@ HELD_COLLECTIVE = refit.SyncConfig(transport="collective", timeout_s=120)  # use
 
 @pytest.fixture(scope="module")
 def restarted(server, tmp_path_factory, ray_cluster):
-    """A new server where the killed one was (same port and key): the module's first is gone by now (stopped again
-    in case the test that kills it did not get that far), and no sync has reached this one yet.
+    """A new server where the killed one was (same port and key), its options in vLLM's config file (`--config`): the
+    module's first is gone by now (stopped again in case the test that kills it did not get that far), and no sync
+    has reached this one yet.
 
     Requests `ray_cluster` so that the tests using it are engine tests: the suite's order keeps the file's."""
     server.stop()
-    started = RefitServer(server.model, SERVER_OPTIONS, tmp_path_factory.mktemp("restarted") / "serve.log",
+    folder = tmp_path_factory.mktemp("restarted")
+    (folder / "serve.yaml").write_text(_as_config_file(SERVER_OPTIONS))  # the same options, through vLLM's file
+    started = RefitServer(server.model, ["--config", str(folder / "serve.yaml")], folder / "serve.log",
                           port=server.port, api_key=server.api_key)
     try:
         started.wait_until_healthy(SERVER_START_WITHIN_S)
         yield started
     finally:
         started.stop()
+
+
+def _as_config_file(options: list[str]) -> str:
+    """Command-line options as vLLM's YAML config file (`--config`) gives them: `--name value`, or a flag alone."""
+    lines, items = [], list(options)
+    while items:
+        name = items.pop(0).removeprefix("--")
+        value = items.pop(0) if items and not items[0].startswith("--") else "true"
+        lines.append(f"{name}: {value}")
+    return "\n".join(lines) + "\n"
 
 
 class _Marker:
@@ -301,6 +314,74 @@ def test_a_pickled_payload_to_the_worker_rpc_runs_nothing_with_or_without_the_ke
             assert status >= 400, (status, text)
     assert not marker.exists()
     assert restarted.json("/weight_info")["weight_version"] == version and restarted.process.poll() is None
+
+
+# Before any sync reaches it: what it took from vLLM's config file, and its gate.
+
+def test_a_dummy_load_given_in_vllms_config_file_is_refused_to_users_until_a_verified_sync(restarted):
+    """Found by review: refit serve looked for --load-format on the command line only, and vLLM reads `--config FILE`
+    later, so a server whose file said `load-format: dummy` served its placeholder weights and KV scales (the seed
+    bug: with an FP8 KV cache the engine dies on the first request)."""
+    state = restarted.json("/refit/state")
+    assert state["awaiting_first_sync"] is True, state
+    body = {"model": restarted.model, "prompt": [[1, 2, 3]], "max_tokens": 1}
+    status, text = http_status(restarted.url + "/v1/completions", body, key=restarted.api_key)
+    assert status == 503 and "started with --load-format dummy" in json.loads(text)["error"], (status, text)
+    assert restarted.process.poll() is None
+
+
+def test_a_real_server_refuses_every_worker_rpc_and_weight_route_but_refits_and_serves_the_rest(restarted):
+    """The gate's refusals (tests/engine/test_server.py) in front of vLLM itself: nothing refused reaches a worker."""
+    from refit.engine.worker_rpc import decode_reply, encode_call
+
+    url, key = restarted.url, restarted.api_key
+    version = restarted.json("/weight_info")
+    for method in ("reset_weights", "refit_expect_plan", "update_weights"):
+        status, text = http_status(url + "/collective_rpc", {"method": method, "args": []}, key=key)
+        assert status == 403 and f"/collective_rpc method {method!r} is refused" in text, (method, status, text)
+    for path, body in (("/update_weights", {"update_info": {"version": 9}}), ("/start_weight_update", None),
+                       ("/weight_checker", {"action": "reset"}), ("/finish_weight_update", {})):
+        status, text = http_status(url + path, body, key=key, method="POST")
+        assert status == 403 and f"{path} is refused by refit's gate" in text, (path, status, text)
+    boot = {"method": "refit_call", "args": [encode_call("refit_boot_id")]}
+    status, text = http_status(url + "/collective_rpc", boot, key=key)
+    assert status == 200 and decode_reply(json.loads(text)["results"][0])[0] is True
+    assert restarted.json("/v1/models")["data"][0]["id"] == restarted.model
+    assert restarted.json("/weight_info") == version and restarted.process.poll() is None
+
+
+def test_a_replica_without_the_hold_cannot_close_or_change_the_holders_open_update(restarted):
+    """Found by review, on a real server: a replica whose hold lapsed and whose release was refused (another
+    replica had taken the server over) sent its calls on without a token, and its abandon closed the new holder's
+    open update on the workers (vLLM then took any replica's start over it)."""
+    from refit.engine.server import ServerAdapter
+    from refit.engine.worker_rpc import WorkerCalls
+    from refit.errors import EngineError, ServerError
+    from refit.plan.config import Transport
+    from refit.plan.transfer_plan import QuantizeOn, TransferPlan
+
+    url, key = restarted.url, restarted.api_key
+    holder = ServerAdapter(url, key)
+    stale = ServerAdapter(url, key)  # no token: as a lapsed replica after its refused release
+    mine, theirs = WorkerCalls(holder.call_workers), WorkerCalls(stale.call_workers)
+    plan = TransferPlan((), QuantizeOn.TRAINER, b"k")
+    holder.hold_requests(120)
+    try:
+        mine.start_update(plan, Transport.RAY)
+        refused = r"HTTP 409.*only the holder drives the workers during its update"
+        for act in (theirs.abandon_update, theirs.finish_update, lambda: theirs.start_update(plan, Transport.RAY),
+                    lambda: theirs.receive([], [], 3, verify=True), stale.resume):
+            with pytest.raises(ServerError, match=refused):
+                act()
+        assert theirs.streamed() == [] and len(theirs.base_digests()) == 1  # reading passes
+        with pytest.raises(EngineError, match="already active"):  # the holder's update is still open
+            mine.start_update(plan, Transport.RAY)
+    finally:
+        mine.abandon_update()  # its holder closes it
+        holder.release_requests()
+    theirs.start_update(plan, Transport.RAY)  # no hold now: the key's holder drives
+    theirs.abandon_update()
+    assert restarted.json("/refit/state")["held"] is False
 
 
 def test_requests_sent_during_a_dummy_servers_first_sync_wait_for_its_kv_stage(restarted, module_actors):
