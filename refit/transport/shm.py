@@ -260,7 +260,7 @@ class _Mapping:
             # until a writer came; the type check below then refuses it.
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as error:
-            if not os.path.exists(f"/proc/{ref.pid}"):  # the usual cause once a sync ran: not a wrong set-up
+            if _process_gone(ref.pid):  # the usual cause once a sync ran: not a wrong set-up
                 raise TransportError(f"cannot open the trainer's shared memory {path}: the trainer's process "
                                      f"{ref.pid} is gone (it died or was killed during this sync)") from None
             raise TransportError(
@@ -310,11 +310,16 @@ def forget_unused_mappings() -> int:
     the update it failed, and this worker's mapping was all that kept those pages (a whole ring) for one more sync."""
     with _mappings_lock:
         stale = [segment for segment, mapping in _mappings.items()
-                 if segment not in _used or not os.path.exists(f"/proc/{mapping.pid}")]
+                 if segment not in _used or _process_gone(mapping.pid)]
         for segment in stale:
             del _mappings[segment]
         _used.clear()
         return len(stale)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether the trainer process that owned a memory file has ended (its files then open no more)."""
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def open_shm_bucket(contents: BucketContents) -> WireBucket:
