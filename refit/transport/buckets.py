@@ -124,16 +124,14 @@ def _contents_from_plain(plain: tuple) -> BucketContents:
 
 @dataclass(frozen=True, slots=True)
 class ReadersDone:
-    """Yielded by a sender after its last bucket, `count` times: no bucket, but a question its consumer answers by
+    """Yielded by a sender after its last bucket, a few times: no bucket, but a question its consumer answers by
     taking it only once every bucket it handed on was read (a sync's relay: once every replica loaded every bucket).
 
     Why: a sender whose memory later buckets reuse (the shm transport's ring) learns how far its readers are only
-    from how many items its consumer took (Ray's backpressure pauses a stream `count` items ahead of its reader at
-    most); after its last bucket it would learn nothing more, and the next stream of the same trainer (another
+    from how many items its consumer took (Ray's backpressure pauses a stream a window of items ahead of its reader
+    at most); after its last bucket it would learn nothing more, and the next stream of the same trainer (another
     Syncer's sync) would rewrite files this sync's replicas still load. Paused at these, the stream ends only once
     they are done, and a trainer actor runs its next stream only after this one ended."""
-
-    count: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,9 +47,8 @@ class SharedMemoryTransport:
         # Enough to reach any relay's window (keep // 2 = max_buckets_in_flight + 1; two or more): the stream pauses
         # at them until its sync's replicas have loaded every bucket, so its files are not lent to the next stream
         # while they read them (`ReadersDone`).
-        done = ReadersDone(handle.keep // 2)
-        for _ in range(done.count):
-            yield done
+        for _ in range(handle.keep // 2):
+            yield ReadersDone()
 
     def deliver(self, bucket: Any, next_bucket_bytes: list[int | None] | None, sink: BucketSink, timeout_s: float) -> float:
         return deliver_to_workers(bucket, next_bucket_bytes, sink)
