@@ -159,13 +159,14 @@ class RefitGate:
             await _answer(scope, send, *refused)
             return
         path = _path(scope)
-        if path.rstrip("/") in REFUSED_PATHS:
+        route = path.rstrip("/")
+        if route in REFUSED_PATHS:
             await _answer(scope, send, 403, {"error": (
                 f"{path} is refused by refit's gate: it would change the served weights outside refit's update (its "
                 "plan, integrity tags and post-refit stage); sync the server through its actors.ServerRollout")})
             return
         worker_method = None
-        if path.rstrip("/") == "/collective_rpc" and scope["type"] == "http":
+        if route == "/collective_rpc" and scope["type"] == "http":
             receive, refused, worker_method = await _checked_rpc(scope, receive)
             if refused is not None:
                 await _answer(scope, send, *refused)
@@ -176,7 +177,7 @@ class RefitGate:
         sent = _header(scope, PASS_HOLD_HEADER)
         holder = sent is not None and self._passes_hold(sent)
         if _is_control(path):  # passes whatever it carries; only the holder's drive renews the hold
-            driving = path.rstrip("/") in DRIVING_PATHS
+            driving = route in DRIVING_PATHS
             if driving and sent is not None and not holder:
                 # A replica whose hold lapsed (or was released) would drive the workers' update on: into another
                 # replica's update, once that one holds the server. A call without a token: below.
