@@ -18,7 +18,7 @@ from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
-from refit.sharding.layout import ABSENT
+from refit.sharding.layout import ABSENT, raise_if_a_part_failed
 from refit.sharding.routes import RowRange
 
 __all__ = ["DTensorLayout"]
@@ -84,10 +84,35 @@ class DTensorLayout:
         return True  # `full_tensor` is a collective over the whole mesh
 
     def gathered(self, name: str) -> torch.Tensor:
+        """`name` whole, all-gathered over the mesh in the wire dtype.
+
+        Each rank casts its shard before `full_tensor`'s all-gather and tells the mesh in a small all-gather first
+        whether it could, so that every rank raises alike if one could not (`raise_if_a_part_failed`)."""
         param, piece = self.view.location(name)
-        wire = param.detach().to(self.view.wire_dtype(param))  # a DTensor casts its local shard: the gather moves wire bytes
-        full = wire.full_tensor() if _is_dtensor(wire) else wire
+        dtype = self.view.wire_dtype(param)
+        if not _is_dtensor(param):
+            full = param.detach().to(dtype)
+        else:
+            try:
+                wire, failure = self._wire_shard(param, dtype), None
+            except Exception as error:  # noqa: BLE001 - told to every rank first, then raised
+                wire, failure = None, error
+            group = param.device_mesh.get_group()
+            oks = [torch.zeros(1, dtype=torch.int64, device=param.device) for _ in range(torch.distributed.get_world_size(group))]
+            torch.distributed.all_gather(oks, torch.tensor([failure is None], dtype=torch.int64, device=param.device), group=group)
+            raise_if_a_part_failed(name, failure, [torch.distributed.get_global_rank(group, i)
+                                                   for i, ok in enumerate(oks) if not ok.item()])
+            full = wire.full_tensor()
         return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
+
+    @staticmethod
+    def _wire_shard(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`param` (a DTensor) in `dtype`, its local shard cast (the gather then moves wire bytes), once this rank
+        has shown it can allocate the whole tensor: `full_tensor` allocates as much, and failing there, after its
+        peers entered the all-gather, would leave them waiting."""
+        wire = param.detach().to(dtype)
+        torch.empty(param.shape, dtype=dtype, device=param.device)
+        return wire
 
     def check_finite(self, plan: TransferPlan, rank: int) -> None:
         """Each local shard once, whole; one that holds NaN or Inf is searched for the planned tensors whose rows here

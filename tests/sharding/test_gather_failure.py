@@ -49,3 +49,53 @@ def test_a_rank_that_cannot_read_its_part_of_a_gather_fails_it_on_every_holder_a
                        "MemoryError: out of memory casting it (test)"), failing
     assert peer_s < 25 and failing_s < 25, (peer_s, failing_s)  # at once, not at the group's timeout (30 s)
     assert peer_next.startswith("streamed") and failing_next.startswith("streamed"), (peer_next, failing_next)
+
+
+FSDP2_GATHERED = "0.weight"  # 128 rows, 64 a rank: half an FP8 block, so all-gathered whole (DTensor.full_tensor)
+
+
+def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) -> None:
+    """Rank `rank` of an FSDP2 mesh of two (gloo, 30 s group timeout); rank 1 cannot cast its shard of
+    `FSDP2_GATHERED` to the wire dtype in the first stream. Streams twice, settling what a failed stream owes."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from refit.errors import take_settlement
+    from refit.sharding import RankSource
+    from tests.support.gloo_ranks import gloo_rank
+
+    with gloo_rank(rank, store_path, timeout_s=30):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Linear(128, 256, bias=False))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        source = RankSource(model, wire_dtype=torch.bfloat16)
+        plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig())
+        cast = source.layout._wire_shard
+
+        def failing_cast(param, dtype):
+            if param is dict(model.named_parameters())[FSDP2_GATHERED]:
+                raise MemoryError("out of memory casting it (test)")
+            return cast(param, dtype)
+
+        for attempt in range(2):
+            if rank == 1:
+                source.layout._wire_shard = failing_cast if attempt == 0 else cast
+            error = report_stream(outcomes, rank, attempt, source.stream, plan.for_sync(b"key", f"s{attempt}", 30.0))
+            settle = None if error is None else take_settlement(error)
+            if settle is not None:
+                settle()
+
+
+def test_an_fsdp2_rank_that_cannot_cast_its_shard_of_a_gathered_tensor_fails_it_on_every_rank_at_once(tmp_path):
+    """Found by review: FSDP2's gathers had no such agreement; the failing rank raised alone while its peer waited in
+    `full_tensor`'s all-gather until the group's timeout (30 s here), which breaks a gloo group for good. Now both
+    raise at once and the next stream runs on the same group."""
+    seen = run_two_ranks(_fsdp2_rank_whose_peer_fails_a_gather, tmp_path, reports=4, timeout_s=120)
+    assert [(rank, attempt) for rank, attempt, _, _ in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    (_, _, peer, peer_s), (_, _, peer_next, _), (_, _, failing, failing_s), (_, _, failing_next, _) = seen
+    assert peer.startswith(f"GatherFailedError: {FSDP2_GATHERED}: trainer rank 1 could not read its part"), peer
+    assert failing == (f"GatherFailedError: {FSDP2_GATHERED}: trainer rank 1 could not read its part to gather it: "
+                       "MemoryError: out of memory casting it (test)"), failing
+    assert peer_s < 25 and failing_s < 25, (peer_s, failing_s)  # at once, not at the group's timeout (30 s)
+    assert peer_next.startswith("streamed") and failing_next.startswith("streamed"), (peer_next, failing_next)

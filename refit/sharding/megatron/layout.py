@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from refit.errors import ConfigError, GatherFailedError, InvalidTensorError
+from refit.errors import ConfigError, InvalidTensorError
 from refit.plan.checkpoint_format import HeldTensors, state_tensors
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
-from refit.sharding.layout import ABSENT
+from refit.sharding.layout import ABSENT, raise_if_a_part_failed
 from refit.sharding.megatron.mapping import CheckpointNames, MegatronDims, RankPlace, Slot, slots_of
 from refit.sharding.routes import RowRange
 
@@ -116,10 +116,8 @@ class MegatronLayout:
     def gathered(self, name: str) -> torch.Tensor:
         """`name` whole: every holder's part, padded to the longest for gloo's and NCCL's equal-sized all-gather.
 
-        Each holder reads its part before the first collective and says there whether it could (beside its span):
-        a rank that raised alone would leave the others waiting in the all-gather until the group's timeout, which
-        breaks the group for good. So if one could not, every holder raises `GatherFailedError` at once, having met
-        the same collectives, and their later gathers stay paired."""
+        Each holder reads its part before the first collective and says there whether it could (beside its span),
+        so that every holder raises alike if one could not (`raise_if_a_part_failed`)."""
         param, slot = self._sends[name]
         if slot.group is None:
             return self._part(param, slot).contiguous()  # held whole here (a tensor the routes gather from one rank)
@@ -132,13 +130,8 @@ class MegatronLayout:
         exchanged = [torch.zeros(3, dtype=torch.int64, device=param.device) for _ in range(size)]
         mine = torch.tensor([slot.start, slot.stop, failure is None], dtype=torch.int64, device=param.device)
         torch.distributed.all_gather(exchanged, mine, group=group)
-        if failure is not None:
-            raise GatherFailedError(f"{name}: trainer rank {torch.distributed.get_rank()} could not read its part to "
-                                    f"gather it: {type(failure).__name__}: {failure}") from failure
-        failed = [torch.distributed.get_global_rank(group, i) for i, (_, _, ok) in enumerate(exchanged) if not ok]
-        if failed:
-            raise GatherFailedError(f"{name}: trainer rank {failed[0]} could not read its part to gather it, so no rank "
-                                    "gathers it (that rank's error says why)")
+        raise_if_a_part_failed(name, failure, [torch.distributed.get_global_rank(group, i)
+                                               for i, (_, _, ok) in enumerate(exchanged) if not ok])
         spans = [(int(start), int(stop)) for start, stop, _ in exchanged]
         longest = max(stop - start for start, stop in spans)
         padded = torch.zeros(*[longest if d == slot.dim else n for d, n in enumerate(part.shape)], dtype=part.dtype,
