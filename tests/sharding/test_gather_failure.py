@@ -1,7 +1,7 @@
 """A rank that cannot read its part of a gathered tensor fails the gather on every holder at once, not at the timeout.
 
-Real megatron-core ranks at TP=2 over gloo, each in a process of its own; the fault is one rank's read of its
-columns of a row-parallel weight (what out of memory while casting it would be), raised inside the layout's gather.
+Real megatron-core ranks at TP=2, and FSDP2 ranks, over gloo, each in a process of its own; the fault is one rank's
+read of its part (what out of memory while casting it would be), raised inside the layout's gather.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ FAILING = "model.layers.0.self_attn.o_proj.weight"  # row-parallel at TP=2: its 
 
 def _tp_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) -> None:
     """Rank `rank` of TP=2 (gloo, 30 s group timeout) of the Qwen3 fixture; rank 1 cannot read its part of `FAILING`
-    in the first stream. Streams twice, settling what a failed stream owes as `TrainerWeights` does."""
-    from refit.errors import take_settlement
-
+    in the first stream."""
     with megatron_fixture_rank(rank, store_path, tp=2) as (_, source, metas):
         plan = make_plan(metas, RolloutModelInfo(FP8_BLOCK, False), SyncConfig(bucket_bytes=64 << 10))
         read = source.layout._part
@@ -27,13 +25,34 @@ def _tp_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) -> 
                 raise MemoryError("out of memory casting it (test)")
             return read(param, slot)
 
-        for attempt in range(2):
-            if rank == 1:
-                source.layout._part = failing_read if attempt == 0 else read
-            error = report_stream(outcomes, rank, attempt, source.stream, plan.for_sync(b"key", f"s{attempt}", 30.0))
-            settle = None if error is None else take_settlement(error)
-            if settle is not None:
-                settle()
+        def fail(failing: bool) -> None:
+            source.layout._part = failing_read if failing else read
+
+        _stream_twice_rank_1_failing_first(rank, outcomes, source, plan, fail)
+
+
+def _stream_twice_rank_1_failing_first(rank: int, outcomes, source, plan, fail) -> None:
+    """Stream twice, rank 1 failing its part (`fail(True)`) in the first stream only; settle what a failed stream
+    owes as `TrainerWeights` does."""
+    from refit.errors import take_settlement
+
+    for attempt in range(2):
+        if rank == 1:
+            fail(attempt == 0)
+        error = report_stream(outcomes, rank, attempt, source.stream, plan.for_sync(b"key", f"s{attempt}", 30.0))
+        settle = None if error is None else take_settlement(error)
+        if settle is not None:
+            settle()
+
+
+def _assert_both_failed_at_once_and_streamed_on(seen: list[tuple], name: str) -> None:
+    assert [(rank, attempt) for rank, attempt, _, _ in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    (_, _, peer, peer_s), (_, _, peer_next, _), (_, _, failing, failing_s), (_, _, failing_next, _) = seen
+    assert peer.startswith(f"GatherFailedError: {name}: trainer rank 1 could not read its part"), peer
+    assert failing == (f"GatherFailedError: {name}: trainer rank 1 could not read its part to gather it: "
+                       "MemoryError: out of memory casting it (test)"), failing
+    assert peer_s < 25 and failing_s < 25, (peer_s, failing_s)  # at once, not at the group's timeout (30 s)
+    assert peer_next.startswith("streamed") and failing_next.startswith("streamed"), (peer_next, failing_next)
 
 
 def test_a_rank_that_cannot_read_its_part_of_a_gather_fails_it_on_every_holder_at_once_and_the_group_streams_on(tmp_path):
@@ -41,14 +60,8 @@ def test_a_rank_that_cannot_read_its_part_of_a_gather_fails_it_on_every_holder_a
     no more gathers, and its tensor-parallel peer waited in the all-gather until the group's timeout (30 s here),
     which breaks a gloo group for good, so the next stream failed too. Now both raise at once, the peer naming the
     failing rank and the tensor, the failing rank its cause, and the next stream runs on the same group."""
-    seen = run_two_ranks(_tp_rank_whose_peer_fails_a_gather, tmp_path, reports=4)
-    assert [(rank, attempt) for rank, attempt, _, _ in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    (_, _, peer, peer_s), (_, _, peer_next, _), (_, _, failing, failing_s), (_, _, failing_next, _) = seen
-    assert peer.startswith(f"GatherFailedError: {FAILING}: trainer rank 1 could not read its part"), peer
-    assert failing == (f"GatherFailedError: {FAILING}: trainer rank 1 could not read its part to gather it: "
-                       "MemoryError: out of memory casting it (test)"), failing
-    assert peer_s < 25 and failing_s < 25, (peer_s, failing_s)  # at once, not at the group's timeout (30 s)
-    assert peer_next.startswith("streamed") and failing_next.startswith("streamed"), (peer_next, failing_next)
+    _assert_both_failed_at_once_and_streamed_on(run_two_ranks(_tp_rank_whose_peer_fails_a_gather, tmp_path, reports=4),
+                                                FAILING)
 
 
 FSDP2_GATHERED = "0.weight"  # 128 rows, 64 a rank: half an FP8 block, so all-gathered whole (DTensor.full_tensor)
@@ -56,12 +69,11 @@ FSDP2_GATHERED = "0.weight"  # 128 rows, 64 a rank: half an FP8 block, so all-ga
 
 def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) -> None:
     """Rank `rank` of an FSDP2 mesh of two (gloo, 30 s group timeout); rank 1 cannot cast its shard of
-    `FSDP2_GATHERED` to the wire dtype in the first stream. Streams twice, settling what a failed stream owes."""
+    `FSDP2_GATHERED` to the wire dtype in the first stream."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from refit.errors import take_settlement
     from refit.sharding import RankSource
     from tests.support.gloo_ranks import gloo_rank
 
@@ -78,24 +90,15 @@ def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) 
                 raise MemoryError("out of memory casting it (test)")
             return cast(param, dtype)
 
-        for attempt in range(2):
-            if rank == 1:
-                source.layout._wire_shard = failing_cast if attempt == 0 else cast
-            error = report_stream(outcomes, rank, attempt, source.stream, plan.for_sync(b"key", f"s{attempt}", 30.0))
-            settle = None if error is None else take_settlement(error)
-            if settle is not None:
-                settle()
+        def fail(failing: bool) -> None:
+            source.layout._wire_shard = failing_cast if failing else cast
+
+        _stream_twice_rank_1_failing_first(rank, outcomes, source, plan, fail)
 
 
 def test_an_fsdp2_rank_that_cannot_cast_its_shard_of_a_gathered_tensor_fails_it_on_every_rank_at_once(tmp_path):
     """Found by review: FSDP2's gathers had no such agreement; the failing rank raised alone while its peer waited in
     `full_tensor`'s all-gather until the group's timeout (30 s here), which breaks a gloo group for good. Now both
     raise at once and the next stream runs on the same group."""
-    seen = run_two_ranks(_fsdp2_rank_whose_peer_fails_a_gather, tmp_path, reports=4, timeout_s=120)
-    assert [(rank, attempt) for rank, attempt, _, _ in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    (_, _, peer, peer_s), (_, _, peer_next, _), (_, _, failing, failing_s), (_, _, failing_next, _) = seen
-    assert peer.startswith(f"GatherFailedError: {FSDP2_GATHERED}: trainer rank 1 could not read its part"), peer
-    assert failing == (f"GatherFailedError: {FSDP2_GATHERED}: trainer rank 1 could not read its part to gather it: "
-                       "MemoryError: out of memory casting it (test)"), failing
-    assert peer_s < 25 and failing_s < 25, (peer_s, failing_s)  # at once, not at the group's timeout (30 s)
-    assert peer_next.startswith("streamed") and failing_next.startswith("streamed"), (peer_next, failing_next)
+    _assert_both_failed_at_once_and_streamed_on(
+        run_two_ranks(_fsdp2_rank_whose_peer_fails_a_gather, tmp_path, reports=4, timeout_s=120), FSDP2_GATHERED)
