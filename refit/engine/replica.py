@@ -246,11 +246,15 @@ class ReplicaCore:
             self._group_id = rendezvous.group_id
 
     def leave_transport(self, group_id: str | None = None) -> None:
+        """Take the workers out of `group_id` (None: the group this replica joined them to, or any if none).
+
+        The workers check the id too: a server's workers outlive the replica that joined them to a group, and one
+        that took the server over may have joined them to its own since."""
         with self._lock:
             if group_id is not None and self._group_id not in (None, group_id):
                 return  # in another sync's group, which may be streaming
-            self._group_id = None
-            self.workers.leave_group()
+            group_id, self._group_id = group_id or self._group_id, None
+            self.workers.leave_group(group_id)
 
     # -- the update lifecycle ---------------------------------------------------------------
     def begin_update(self, plan: TransferPlan, sync_id: str, config: SyncConfig) -> int:

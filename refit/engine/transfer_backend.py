@@ -180,6 +180,7 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         self._plan: TransferPlan | None = None  # of the open update, when bytes come over a transport
         self._kind: TransportKind | None = None  # which one (a transport whose bytes come by contents)
         self._receivers: list[BucketReceiver] = []  # one per sending rank (channel) of the collective group
+        self._group_id: str | None = None  # the collective group the receivers belong to
         self.base = ReplicaBase()  # the delta base, when bytes come over the collective group (refit/transport/delta.py)
         self._keep_base = False
         self.draft: DraftModel | None = None  # the speculative draft model, once the worker attached it
@@ -216,9 +217,14 @@ class RefitTransferBackend(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo])
         """Join a collective group as `member` (leaving any earlier one); blocks until every member joined."""
         self.leave_group()
         self._receivers = [BucketReceiver(group) for group in CollectiveGroup.join(rendezvous, member)]
+        self._group_id = rendezvous.group_id
 
-    def leave_group(self) -> None:
-        receivers, self._receivers = self._receivers, []
+    def leave_group(self, group_id: str | None = None) -> None:
+        """Leave collective group `group_id`, or whichever this worker is in (None); a group other than `group_id`
+        is kept: the caller is not the one that joined this worker to it (a replica a server was taken over from)."""
+        if group_id is not None and self._group_id not in (None, group_id):
+            return
+        receivers, self._receivers, self._group_id = self._receivers, [], None
         for receiver in receivers:
             receiver.group.close()
 

@@ -129,8 +129,9 @@ class WorkerCalls:
         """Every worker joins the collective group as member `member_offset` + its rank; blocks until the group is whole."""
         self._call("refit_join_group", rendezvous.to_plain(), member_offset)
 
-    def leave_group(self) -> None:
-        self._call("refit_leave_group")
+    def leave_group(self, group_id: str | None = None) -> None:
+        """Every worker leaves collective group `group_id` if it is in that one (None: whichever it is in)."""
+        self._call("refit_leave_group", group_id)
 
     def add_adapter(self, lora_id: int, adapter: AdapterWeights) -> list[str]:
         """Install `adapter` from memory as vLLM's LoRA `lora_id`, pinned, in every worker; each worker's digest of
@@ -231,8 +232,8 @@ class RefitWorkerExtension:
         """Join the sync's collective group as member `member_offset` + this worker's rank in its engine."""
         self._refit().join_group(Rendezvous.from_plain(rendezvous), member_offset + self.rank)
 
-    def refit_leave_group(self) -> None:
-        self._refit().leave_group()
+    def refit_leave_group(self, group_id: str | None = None) -> None:
+        self._refit().leave_group(group_id)
 
     def refit_start_update(self, plan: dict[str, Any] | None, transport: str, keep_base: bool = False) -> None:
         """Open an update (vLLM's `start_weight_update`, which calls the backend's) with the engine's draft model

@@ -71,7 +71,7 @@ class _Worker(RefitWorkerExtension):
     def refit_scale_records(self) -> list:
         raise VerificationError("a refit error keeps its type")
 
-    def refit_leave_group(self) -> object:
+    def refit_leave_group(self, group_id: str | None = None) -> object:
         return object()  # not JSON
 
     def update_weights(self, update_info: dict) -> dict:

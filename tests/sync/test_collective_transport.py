@@ -169,6 +169,22 @@ def test_two_collective_syncers_at_once_one_wins_and_the_other_fails_by_name(set
     assert refit.sync(trainer, [in_process, own_process], COLLECTIVE).replicas[0].served_version > max(versions)
 
 
+def test_workers_told_to_leave_another_group_than_theirs_stay_in_theirs(setup):
+    """Found by review: a `vllm serve` server's workers outlive the replica that joined them to a group, and the
+    clean-up of a replica the server was taken over from took them out of whichever group they were in, the new
+    replica's (the workers kept no group id), so its next sync found no receivers. A worker now leaves only the
+    group it is told to (or any when told none)."""
+    trainer, in_process, own_process = setup
+    with refit.Syncer(trainer, [in_process, own_process], COLLECTIVE) as syncer:
+        syncer.sync()
+        group = ray.get(own_process.transport_group.remote())
+        for replica in (in_process, own_process):  # what the clean-up of a replica taken over from sends
+            run_in(replica, lambda actor: actor.replica.workers.leave_group("a group of an earlier replica"))
+        report = syncer.sync()  # over the group the workers kept
+        assert [r.served_version for r in report.replicas] == [report.version] * 2
+        assert ray.get(own_process.transport_group.remote()) == group
+
+
 def test_a_sync_refused_at_its_first_claim_leaves_the_group_another_syncer_formed_since_alone(setup):
     """Found: two Syncers racing on one fleet over `collective`; the loser's clean-up made the trainer and every
     worker leave whichever group they were in, the winner's, mid-sync, so the winner failed too ("this trainer is
