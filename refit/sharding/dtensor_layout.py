@@ -86,7 +86,7 @@ class DTensorLayout:
     def gathered(self, name: str) -> torch.Tensor:
         """`name` whole, all-gathered over the mesh in the wire dtype.
 
-        Each rank casts its shard before `full_tensor`'s all-gather and tells the mesh in a small all-gather first
+        Each rank casts its shard before `full_tensor`'s all-gathers and tells the mesh in small all-gathers first
         whether it could, so that every rank raises alike if one could not (`raise_if_a_part_failed`)."""
         param, piece = self.view.location(name)
         dtype = self.view.wire_dtype(param)
@@ -97,11 +97,9 @@ class DTensorLayout:
                 wire, failure = self._wire_shard(param, dtype), None
             except Exception as error:  # noqa: BLE001 - told to every rank first, then raised
                 wire, failure = None, error
-            group = param.device_mesh.get_group()
-            oks = [torch.zeros(1, dtype=torch.int64, device=param.device) for _ in range(torch.distributed.get_world_size(group))]
-            torch.distributed.all_gather(oks, torch.tensor([failure is None], dtype=torch.int64, device=param.device), group=group)
-            raise_if_a_part_failed(name, failure, [torch.distributed.get_global_rank(group, i)
-                                                   for i, ok in enumerate(oks) if not ok.item()])
+            failed = _a_failed_rank(param.device_mesh, None if failure is None else torch.distributed.get_rank(),
+                                    param.device)
+            raise_if_a_part_failed(name, failure, [] if failed is None else [failed])
             full = wire.full_tensor()
         return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
 
@@ -173,6 +171,19 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if _is_dtensor(param) else param
+
+
+def _a_failed_rank(mesh, failed_here: int | None, device: torch.device) -> int | None:
+    """A rank of `mesh` that failed (the highest), or None: each rank's `failed_here` (its global rank, if it
+    failed) all-gathered along each of the mesh's dimensions in turn, so that every rank learns of any."""
+    failed = torch.tensor([-1 if failed_here is None else failed_here], dtype=torch.int64, device=device)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        seen = [torch.empty_like(failed) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(seen, failed, group=group)
+        failed = torch.stack(seen).max(dim=0).values
+    highest = int(failed.item())
+    return None if highest < 0 else highest
 
 
 def _local_rows(param: torch.Tensor) -> RowRange | None:

@@ -6,6 +6,8 @@ read of its part (what out of memory while casting it would be), raised inside t
 
 from __future__ import annotations
 
+import pytest
+
 from refit.plan import RolloutModelInfo, SyncConfig, make_plan
 from tests.support.fakes import FP8_BLOCK
 from tests.support.gloo_ranks import megatron_fixture_rank, report_stream, run_two_ranks
@@ -67,9 +69,9 @@ def test_a_rank_that_cannot_read_its_part_of_a_gather_fails_it_on_every_holder_a
 FSDP2_GATHERED = "0.weight"  # 128 rows, 64 a rank: half an FP8 block, so all-gathered whole (DTensor.full_tensor)
 
 
-def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) -> None:
-    """Rank `rank` of an FSDP2 mesh of two (gloo, 30 s group timeout); rank 1 cannot cast its shard of
-    `FSDP2_GATHERED` to the wire dtype in the first stream."""
+def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes, mesh_shape: tuple[int, ...]) -> None:
+    """Rank `rank` of an FSDP2 mesh of two (`mesh_shape`; gloo, 30 s group timeout); rank 1 cannot cast its shard
+    of `FSDP2_GATHERED` to the wire dtype in the first stream."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -80,7 +82,8 @@ def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) 
     with gloo_rank(rank, store_path, timeout_s=30):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Linear(128, 256, bias=False))
-        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        names = ("replicate", "shard")[-len(mesh_shape):]  # 2-D: HSDP, replicated over dim 0, sharded over dim 1
+        fully_shard(model, mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
         source = RankSource(model, wire_dtype=torch.bfloat16)
         plan = make_plan(source.metadata(), RolloutModelInfo(FP8_BLOCK, False), SyncConfig())
         cast = source.layout._wire_shard
@@ -96,9 +99,10 @@ def _fsdp2_rank_whose_peer_fails_a_gather(rank: int, store_path: str, outcomes) 
         _stream_twice_rank_1_failing_first(rank, outcomes, source, plan, fail)
 
 
-def test_an_fsdp2_rank_that_cannot_cast_its_shard_of_a_gathered_tensor_fails_it_on_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("mesh_shape", [(2,), (1, 2)])
+def test_an_fsdp2_rank_that_cannot_cast_its_shard_of_a_gathered_tensor_fails_it_on_every_rank_at_once(tmp_path, mesh_shape):
     """Found by review: FSDP2's gathers had no such agreement; the failing rank raised alone while its peer waited in
     `full_tensor`'s all-gather until the group's timeout (30 s here), which breaks a gloo group for good. Now both
     raise at once and the next stream runs on the same group."""
     _assert_both_failed_at_once_and_streamed_on(
-        run_two_ranks(_fsdp2_rank_whose_peer_fails_a_gather, tmp_path, reports=4, timeout_s=120), FSDP2_GATHERED)
+        run_two_ranks(_fsdp2_rank_whose_peer_fails_a_gather, tmp_path, mesh_shape, reports=4, timeout_s=120), FSDP2_GATHERED)
