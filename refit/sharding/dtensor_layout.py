@@ -97,8 +97,7 @@ class DTensorLayout:
                 wire, failure = self._wire_shard(param, dtype), None
             except Exception as error:  # noqa: BLE001 - told to every rank first, then raised
                 wire, failure = None, error
-            failed = _a_failed_rank(param.device_mesh, None if failure is None else torch.distributed.get_rank(),
-                                    param.device)
+            failed = _a_failed_rank(param.device_mesh, failure is not None, param.device)
             raise_if_a_part_failed(name, failure, [] if failed is None else [failed])
             full = wire.full_tensor()
         return full if piece is None else full.as_strided(piece.shape, piece.stride, piece.offset)
@@ -173,10 +172,10 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if _is_dtensor(param) else param
 
 
-def _a_failed_rank(mesh, failed_here: int | None, device: torch.device) -> int | None:
-    """A rank of `mesh` that failed (the highest), or None: each rank's `failed_here` (its global rank, if it
-    failed) all-gathered along each of the mesh's dimensions in turn, so that every rank learns of any."""
-    failed = torch.tensor([-1 if failed_here is None else failed_here], dtype=torch.int64, device=device)
+def _a_failed_rank(mesh, failed_here: bool, device: torch.device) -> int | None:
+    """The global rank of a rank of `mesh` that failed (the highest), or None: each rank's own (if `failed_here`)
+    all-gathered along each of the mesh's dimensions in turn, so that every rank learns of any."""
+    failed = torch.tensor([torch.distributed.get_rank() if failed_here else -1], dtype=torch.int64, device=device)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         seen = [torch.empty_like(failed) for _ in range(torch.distributed.get_world_size(group))]
