@@ -62,7 +62,8 @@ the gate holds them for an update:
   sync is released as verified. A replica that dies while it holds requests leaves
   them held until its hold lapses (its calls renew it; nobody else's do):
   the gate then refuses them, and another replica may hold the server
-  only from then on.
+  only from then on. That replica first closes the update the dead one
+  left open in the workers.
 
 Every HTTP call has a deadline: the sync's `timeout_s` once a sync has
 begun (a socket-level timeout: each connect and read must progress within
@@ -354,6 +355,15 @@ class ServerAdapter:
             self._request("POST", "/refit/release")
             raise ServerError(f"the server at {self.url} runs another version of refit's gate (its hold gave no token "
                               f"for refit's own requests); restart it with this refit: {_START_HINT}")
+        if answer.get("refusing") is not None:
+            # A replica that died mid-update left the workers' update open (its hold lapsed into this refusal), and
+            # vLLM would refuse this one's start ("already active"). Holding the server, this replica is the only one
+            # that drives its workers now, so that update is no one's: closed here, as its own replica would have.
+            try:
+                self._call_workers_once("refit_abandon_update")
+            except BaseException:
+                self.release_requests(refusal=answer["refusing"])  # still refusing, and not held until a lapse
+                raise
 
     def pause(self, mode: Pause, timeout_s: float) -> None:
         """Requests that passed the gate before the hold end (`wait`: finish; `abort`: aborted), then vLLM's

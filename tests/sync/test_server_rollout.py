@@ -430,6 +430,28 @@ def test_a_server_a_failed_sync_left_refusing_answers_users_503_until_the_next_s
         syncer.close()
 
 
+def test_a_new_replica_syncs_a_server_whose_last_replica_died_with_its_update_open(restarted, module_actors):
+    """A replica that died mid-update left the workers' update open (vLLM's session flag set, layers in loadable
+    form). Once its hold lapsed, the next replica's first sync took the server and failed at its start ("already
+    active"), and only its second sync healed the server: the new holder closes the dead one's update first."""
+    from refit.engine.server import ServerAdapter
+    from refit.engine.worker_rpc import WorkerCalls
+    from refit.plan.config import Transport
+    from refit.plan.transfer_plan import QuantizeOn, TransferPlan
+
+    dead = ServerAdapter(restarted.url, restarted.api_key)
+    dead.hold_requests(0.5)  # a hold that lapses 1.5 s after its last call: no call comes, as from a dead actor
+    WorkerCalls(dead.call_workers).start_update(TransferPlan((), QuantizeOn.TRAINER, b"k"), Transport.RAY)
+    time.sleep(2.0)
+    trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
+    replica = module_actors.keep(actors.ServerRollout.options(resources={"node2": 0.01}).remote(restarted.url, restarted.api_key))
+    report = refit.sync(trainer, replica, HELD_COLLECTIVE)
+    assert restarted.json("/weight_info")["weight_version"] == str(report.version)
+    assert restarted.json("/refit/state")["refusing"] is None
+    answer = restarted.json("/v1/completions", _completion(restarted, USER_PROMPTS[0]))
+    assert accuracy(USER_PROMPTS[:1], [answer["choices"][0]["token_ids"]]) == 1.0
+
+
 def test_a_server_restarted_since_its_replica_connected_is_named_and_a_new_replica_syncs_it(server, synced, restarted,
                                                                                             module_actors, shared_replicas, caplog):
     """After the kill above: the server on the same URL is another; the old replica says so, a new one syncs it.
