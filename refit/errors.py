@@ -119,8 +119,9 @@ class TransportError(RefitError, RuntimeError):
 
 
 class GatherFailedError(RefitError, RuntimeError):
-    """A rank of a sharded trainer could not read its part of a tensor its stream gathers: every rank of that gather
-    raises this at once (the failing rank with its cause, the others naming it), and their collectives stay paired."""
+    """A rank of a sharded trainer could not read its part of a tensor its stream gathers, or make room for the whole
+    (out of memory, say): every rank of that gather raises this at once (the failing rank with its cause, the others
+    naming it), and their collectives stay paired."""
 
 
 class GroupBroken(Exception):

@@ -26,18 +26,18 @@ ABSENT = object()
 
 
 def raise_if_a_part_failed(name: str, failure: BaseException | None, failed_ranks: list[int]) -> None:
-    """After the holders of `name`'s parts told each other whether they could read theirs (`failed_ranks`, global
-    ranks): raise `GatherFailedError` on every holder alike, this rank's own `failure` first.
+    """After the holders of `name`'s parts told each other whether they could read theirs and make room for the
+    whole (`failed_ranks`, global ranks): raise `GatherFailedError` on every holder alike, this rank's own `failure` first.
 
     Why every holder: one that raised alone would leave the others waiting in the gather's all-gather until the
     group's timeout, which breaks the group for good; raised everywhere after the same collectives, the holders'
     later gathers stay paired."""
     if failure is not None:
-        raise GatherFailedError(f"{name}: trainer rank {torch.distributed.get_rank()} could not read its part to "
-                                f"gather it: {type(failure).__name__}: {failure}") from failure
+        raise GatherFailedError(f"{name}: trainer rank {torch.distributed.get_rank()} could not read its part or make "
+                                f"room to gather it: {type(failure).__name__}: {failure}") from failure
     if failed_ranks:
-        raise GatherFailedError(f"{name}: trainer rank {failed_ranks[0]} could not read its part to gather it, so no "
-                                "rank gathers it (that rank's error says why)")
+        raise GatherFailedError(f"{name}: trainer rank {failed_ranks[0]} could not read its part or make room to gather "
+                                "it, so no rank gathers it (that rank's error says why)")
 
 
 class RankLayout(Protocol):

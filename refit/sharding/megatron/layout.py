@@ -58,6 +58,7 @@ class MegatronLayout:
                                True: parallel_state.get_expert_data_parallel_rank() == 0}
         self._unreadable: ConfigError | None = None  # why the model's current parameters could not be read
         self._sent_from: dict[str, str] = {}  # every checkpoint tensor this rank has sent parts of -> its megatron name
+        self._gather_spans: dict[str, list[tuple[int, int]]] = {}
         self._read_current_parameters()
 
     def _read_current_parameters(self) -> None:
@@ -116,33 +117,52 @@ class MegatronLayout:
     def gathered(self, name: str) -> torch.Tensor:
         """`name` whole: every holder's part, padded to the longest for gloo's and NCCL's equal-sized all-gather.
 
-        Each holder reads its part before the first collective and says there whether it could (beside its span),
-        so that every holder raises alike if one could not (`raise_if_a_part_failed`)."""
+        Each holder reads its part and makes room for the gather before the first collective over the tensor's
+        bytes, and says in a small all-gather whether it could, so that every holder raises alike if one could not
+        (`raise_if_a_part_failed`). Making room needs every holder's span, exchanged once (`_spans`)."""
         param, slot = self._sends[name]
         if slot.group is None:
             return self._part(param, slot).contiguous()  # held whole here (a tensor the routes gather from one rank)
-        try:
-            part, failure = self._part(param, slot).contiguous(), None
-        except Exception as error:  # noqa: BLE001 - told to every holder first, then raised
-            part, failure = None, error
         group = self._groups[slot.group]
-        size = torch.distributed.get_world_size(group)
-        exchanged = [torch.zeros(3, dtype=torch.int64, device=param.device) for _ in range(size)]
-        mine = torch.tensor([slot.start, slot.stop, failure is None], dtype=torch.int64, device=param.device)
-        torch.distributed.all_gather(exchanged, mine, group=group)
+        spans = self._spans(name, slot, group, param.device)
+        try:
+            part = self._part(param, slot).contiguous()
+            padded, parts, whole = self._gather_buffers(part, slot, spans)
+            failure = None
+        except Exception as error:  # noqa: BLE001 - told to every holder first, then raised
+            failure = error
+        could = [torch.zeros(1, dtype=torch.int64, device=param.device) for _ in spans]
+        torch.distributed.all_gather(could, torch.tensor([failure is None], dtype=torch.int64, device=param.device),
+                                     group=group)
         raise_if_a_part_failed(name, failure, [torch.distributed.get_global_rank(group, i)
-                                               for i, (_, _, ok) in enumerate(exchanged) if not ok])
-        spans = [(int(start), int(stop)) for start, stop, _ in exchanged]
-        longest = max(stop - start for start, stop in spans)
-        padded = torch.zeros(*[longest if d == slot.dim else n for d, n in enumerate(part.shape)], dtype=part.dtype,
-                             device=part.device)
+                                               for i, ok in enumerate(could) if not ok.item()])
         padded.narrow(slot.dim, 0, part.shape[slot.dim]).copy_(part)
-        parts = [torch.empty_like(padded) for _ in range(size)]
         torch.distributed.all_gather(parts, padded, group=group)
-        whole = torch.empty(slot.shape, dtype=part.dtype, device=part.device)
         for (start, stop), got in zip(spans, parts):
             whole.narrow(slot.dim, start, stop - start).copy_(got.narrow(slot.dim, 0, stop - start))
         return whole
+
+    def _spans(self, name: str, slot: Slot, group: torch.distributed.ProcessGroup,
+               device: torch.device) -> list[tuple[int, int]]:
+        """Each holder's [start, stop) of `name` along the gathered dim, in group order: exchanged at the first
+        gather of `name` and kept, since a layout's slots never change."""
+        spans = self._gather_spans.get(name)
+        if spans is None:
+            size = torch.distributed.get_world_size(group)
+            exchanged = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(size)]
+            torch.distributed.all_gather(exchanged, torch.tensor([slot.start, slot.stop], dtype=torch.int64,
+                                                                 device=device), group=group)
+            spans = self._gather_spans[name] = [(int(start), int(stop)) for start, stop in exchanged]
+        return spans
+
+    def _gather_buffers(self, part: torch.Tensor, slot: Slot,
+                        spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """This rank's part padded to the longest span (zeros), one such buffer per holder, and the whole tensor."""
+        longest = max(stop - start for start, stop in spans)
+        shape = [longest if d == slot.dim else n for d, n in enumerate(part.shape)]
+        padded = torch.zeros(shape, dtype=part.dtype, device=part.device)
+        parts = [torch.empty_like(padded) for _ in spans]
+        return padded, parts, torch.empty(slot.shape, dtype=part.dtype, device=part.device)
 
     def check_finite(self, plan: TransferPlan, rank: int) -> None:
         """Each parameter once, whole; one that holds NaN or Inf is searched for the planned tensors that hold it (a
