@@ -205,8 +205,17 @@ def summary(error: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__  # a KeyboardInterrupt says nothing
 
 
+_OPEN_STREAMS: dict[bytes, int] = {}  # trainer actor id -> this process's streams from it not yet ended
+_OPEN_STREAMS_LOCK = threading.Lock()
+
+
 class BucketStream:
-    """The trainer's stream of buckets for one sync: each next bucket within a deadline, closed on every exit."""
+    """The trainer's stream of buckets for one sync: each next bucket within a deadline, closed on every exit.
+
+    Open streams are counted per trainer actor in this process, so that a deadline missed while another of this
+    process's syncs streams from the same actor says so: an actor runs one call at a time unless it is threaded, and
+    the second stream waits behind the first, which reads as a hung trainer otherwise.
+    """
 
     def __init__(
         self, trainer: Any, plan: Any, max_in_flight: int, transport: Any = "ray", *, who: str = "the trainer",
@@ -219,7 +228,10 @@ class BucketStream:
         # A custom source may know only the object store, and only whole buckets.
         args = (plan,) if not kind_of_handle(transport).traits.by_contents and delta is None else (plan, transport)
         args += () if delta is None else (str(delta),)
+        self._actor_id: bytes | None = trainer._actor_id.binary() if self._actor else None
         if self._actor:
+            with _OPEN_STREAMS_LOCK:
+                _OPEN_STREAMS[self._actor_id] = _OPEN_STREAMS.get(self._actor_id, 0) + 1
             self._gen = trainer.stream_buckets.options(
                 num_returns="streaming", _generator_backpressure_num_objects=max_in_flight * (2 if delta == "both" else 1)
             ).remote(*args)
@@ -263,14 +275,17 @@ class BucketStream:
             on_finished(ready)
             deadline = time.monotonic() + timeout_s  # what `on_finished` waited for is not the stream's time
         if not any(item is self._gen for item in ready):
-            raise SyncTimeoutError(
-                f"{self._who} produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); it is hung, "
-                "overloaded or its preflight is slower than the deadline"
-            )
+            with _OPEN_STREAMS_LOCK:
+                others = _OPEN_STREAMS.get(self._actor_id, 1) - 1
+            why = (f"another sync of this process is streaming from the same actor ({others} more stream(s) open), "
+                   "and an actor that is not threaded runs one stream at a time, so this one waits behind it: sync "
+                   "one at a time per trainer, or raise the deadline" if others else
+                   "it is hung, overloaded or its preflight is slower than the deadline")
+            raise SyncTimeoutError(f"{self._who} produced no bucket within {timeout_s:.0f} s (SyncConfig.timeout_s); {why}")
         try:
             ref = next(self._gen)
         except StopIteration:
-            self._done = True
+            self._end()
             return None
         if not fetch:
             return [ref]
@@ -285,7 +300,7 @@ class BucketStream:
         """Stop the trainer's generator (its `finally` runs) unless it already ended."""
         if self._done:
             return
-        self._done = True
+        self._end()
         if self._actor:
             import ray
 
@@ -294,6 +309,15 @@ class BucketStream:
             close = getattr(self._gen, "close", None)
             if close is not None:
                 close()
+
+    def _end(self) -> None:
+        self._done = True
+        if self._actor_id is not None:
+            with _OPEN_STREAMS_LOCK:
+                left = _OPEN_STREAMS.pop(self._actor_id) - 1
+                if left:
+                    _OPEN_STREAMS[self._actor_id] = left
+            self._actor_id = None
 
 
 def _call_inline(who: str, target: Any, method: str, args: tuple) -> Outcome:

@@ -247,6 +247,23 @@ class Unresponsive:
         threading.Event().wait()
 
 
+@ray.remote(num_cpus=0)
+class SlowSource:
+    """A trainer whose stream yields a bucket (its index) every `every_s` seconds: a large model's stream, to a
+    second stream of the same actor; `ping` answers at once when no stream runs."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+
+    def ping(self) -> bool:
+        return True
+
+    def stream_buckets(self, plan, *rest):
+        for index in range(3):
+            time.sleep(self.every_s)
+            yield index
+
+
 class KeptMessages(logging.Handler):
     """A log handler that keeps each record's message and level name."""
 
