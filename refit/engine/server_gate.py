@@ -193,9 +193,10 @@ class RefitGate:
                     # bucket would close or change the update of the replica that holds the server now.
                     await _answer(scope, send, 409, {"error": (
                         f"{path} ({worker_method or 'no worker call'}) without the {PASS_HOLD_HEADER} header of the "
-                        f"hold that another replica's update has on this server (it lapses in {left:.0f} s unless that "
+                        f"hold that a replica's update has on this server (it lapses in {left:.0f} s unless that "
                         "replica calls again): only the holder drives the workers during its update; sync through "
-                        "that replica, or begin a new sync once its hold has lapsed")})
+                        "that replica, or begin a new sync once its hold has lapsed (a replica whose own release "
+                        "failed or timed out has let its token go, so this may be its own hold)")})
                     return
                 await self._lapse()
             if holder and driving:

@@ -788,6 +788,9 @@ def test_while_a_hold_lives_a_call_without_its_token_drives_nothing_and_reads_pa
                            ("/pause", b""), ("/update_weight_version", b"{}")):
             status, answer = await _ask(refit_gate, path, body=body)
             assert status == 409 and "only the holder drives the workers during its update" in answer["error"], answer
+            # A replica whose own release timed out sends no token either: the refusal must not tell it the hold is
+            # surely another replica's.
+            assert "may be its own hold" in answer["error"] and "another replica's update" not in answer["error"]
         assert app.reached == []
         for method in ("refit_boot_id", "refit_engine_facts", "refit_streamed"):  # connecting, looking: reads pass
             assert (await _ask(refit_gate, "/collective_rpc", body=_rpc(method)))[0] == 200
