@@ -180,15 +180,14 @@ def test_an_engine_started_without_refits_arguments_is_refused_naming_them(ray_c
     assert "weight_transfer_config's backend is " in message and "not 'refit'" in message
 
 
-def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops_it(replicas, module_actors):
+def test_a_user_engine_whose_engine_core_died_refuses_naming_it_and_a_sync_drops_it(replicas):
     """Regression: with its engine core's own process dead (an AsyncLLM's, or a vllm.LLM's with
     VLLM_ENABLE_V1_MULTIPROCESSING=1) the replica said it served its version, and a sync failed whole on vLLM's bare
     EngineDeadError, naming no replica, instead of dropping it and syncing the others."""
     trainer, kinds, _ = replicas
-    model = str(model_dir(True, "fp8_block"))
-    # An AsyncLLM's core alone: a vllm.LLM with VLLM_ENABLE_V1_MULTIPROCESSING=1 takes the same path (`core_died`),
-    # and its two more processes beside this module's engines left the suite's busiest minute short of memory.
-    doomed = [_user(UserAsyncLLMRollout, 1, model, module_actors)]
+    # The module's AsyncLLM replica, as the module's last test: an AsyncLLM's core alone (a vllm.LLM with
+    # VLLM_ENABLE_V1_MULTIPROCESSING=1 takes the same path, `core_died`), and no new engine's three processes.
+    doomed = [kinds["async_llm"]]
     with refit.Syncer(trainer, [kinds["llm"], *doomed]) as syncer:
         syncer.sync()
         for replica in doomed:
