@@ -51,3 +51,25 @@ def test_a_rank_whose_source_was_made_again_streams_with_ranks_that_kept_theirs(
     seen = run_two_ranks(_rank_whose_source_is_remade, tmp_path, reports=4, timeout_s=120)
     assert [outcome for _, _, outcome, _ in seen] == ["streamed 1"] * 4, seen
     assert all(seconds < 15 for _, _, _, seconds in seen), seen  # none waited until the group's timeout (20 s)
+
+
+def _megatron_rank_whose_source_is_remade(rank: int, store_path: str, outcomes) -> None:
+    """Rank `rank` of a real megatron-core TP=2 (gloo, 20 s group timeout) of the Qwen3 fixture, whose row-parallel
+    weights are all-gathered; after the first stream, rank 1 makes its source again over the same model."""
+    from refit.sharding.megatron import megatron_source
+    from tests.support.gloo_ranks import megatron_fixture_rank
+
+    with megatron_fixture_rank(rank, store_path, tp=2, timeout_s=20) as (model, source, metas):
+        plan = make_plan(metas, RolloutModelInfo(FP8_BLOCK, False), SyncConfig(bucket_bytes=64 << 10))
+        for attempt in range(2):
+            if rank == 1 and attempt == 1:
+                source = megatron_source(model, vocab_size=source.layout.dims.vocab)
+            report_stream(outcomes, rank, attempt, source.stream, plan.for_sync(b"key", f"s{attempt}", 20.0))
+
+
+def test_a_megatron_rank_whose_source_was_made_again_gathers_with_ranks_that_kept_theirs(tmp_path):
+    """What a Megatron layout learns at a gather and keeps (each holder's span) must not pair one rank's collective
+    with another's: a source made again on one rank knows none of it."""
+    seen = run_two_ranks(_megatron_rank_whose_source_is_remade, tmp_path, reports=4, timeout_s=120)
+    assert [outcome for _, _, outcome, _ in seen] == [seen[0][2]] * 4 and seen[0][2].startswith("streamed"), seen
+    assert all(seconds < 15 for _, _, _, seconds in seen), seen

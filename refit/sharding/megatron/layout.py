@@ -13,6 +13,9 @@ megatron-core is imported here only, and only when a layout is made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from refit.errors import ConfigError, InvalidTensorError
@@ -25,6 +28,8 @@ from refit.sharding.megatron.mapping import CheckpointNames, MegatronDims, RankP
 from refit.sharding.routes import RowRange
 
 __all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "unwrap"]
+
+_T = TypeVar("_T")
 
 # What the checkpoint's model calls each kind of module (the FP8 scheme's targets match these class names).
 _MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module"), "embedding": ("Embedding", "Module"),
@@ -58,7 +63,6 @@ class MegatronLayout:
                                True: parallel_state.get_expert_data_parallel_rank() == 0}
         self._unreadable: ConfigError | None = None  # why the model's current parameters could not be read
         self._sent_from: dict[str, str] = {}  # every checkpoint tensor this rank has sent parts of -> its megatron name
-        self._gather_spans: dict[str, list[tuple[int, int]]] = {}
         self._read_current_parameters()
 
     def _read_current_parameters(self) -> None:
@@ -117,43 +121,26 @@ class MegatronLayout:
     def gathered(self, name: str) -> torch.Tensor:
         """`name` whole: every holder's part, padded to the longest for gloo's and NCCL's equal-sized all-gather.
 
-        Each holder reads its part and makes room for the gather before the first collective over the tensor's
-        bytes, and says in a small all-gather whether it could, so that every holder raises alike if one could not
-        (`raise_if_a_part_failed`). Making room needs every holder's span, exchanged once (`_spans`)."""
+        Each holder reads its part, then makes room for the gather, before the collective over the tensor's bytes,
+        and after each says in a small all-gather whether it could (the first also carries its span, which the room
+        is made for), so that every holder raises alike if one could not (`raise_if_a_part_failed`). The spans are
+        exchanged at every gather, never kept: a source made again on one rank would know none, and its exchange would
+        pair with its peers' next collective."""
         param, slot = self._sends[name]
         if slot.group is None:
             return self._part(param, slot).contiguous()  # held whole here (a tensor the routes gather from one rank)
         group = self._groups[slot.group]
-        spans = self._spans(name, slot, group, param.device)
-        try:
-            part = self._part(param, slot).contiguous()
-            padded, parts, whole = self._gather_buffers(part, slot, spans)
-            failure = None
-        except Exception as error:  # noqa: BLE001 - told to every holder first, then raised
-            failure = error
-        could = [torch.zeros(1, dtype=torch.int64, device=param.device) for _ in spans]
-        torch.distributed.all_gather(could, torch.tensor([failure is None], dtype=torch.int64, device=param.device),
-                                     group=group)
-        raise_if_a_part_failed(name, failure, [torch.distributed.get_global_rank(group, i)
-                                               for i, ok in enumerate(could) if not ok.item()])
+        part, failure = _attempt(lambda: self._part(param, slot).contiguous())
+        exchanged = _agree(name, failure, [slot.start, slot.stop], group, param.device)
+        spans = [(start, stop) for start, stop in exchanged]
+        buffers, failure = _attempt(lambda: self._gather_buffers(part, slot, spans))
+        _agree(name, failure, [], group, param.device)
+        padded, parts, whole = buffers
         padded.narrow(slot.dim, 0, part.shape[slot.dim]).copy_(part)
         torch.distributed.all_gather(parts, padded, group=group)
         for (start, stop), got in zip(spans, parts):
             whole.narrow(slot.dim, start, stop - start).copy_(got.narrow(slot.dim, 0, stop - start))
         return whole
-
-    def _spans(self, name: str, slot: Slot, group: torch.distributed.ProcessGroup,
-               device: torch.device) -> list[tuple[int, int]]:
-        """Each holder's [start, stop) of `name` along the gathered dim, in group order: exchanged at the first
-        gather of `name` and kept, since a layout's slots never change."""
-        spans = self._gather_spans.get(name)
-        if spans is None:
-            size = torch.distributed.get_world_size(group)
-            exchanged = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(size)]
-            torch.distributed.all_gather(exchanged, torch.tensor([slot.start, slot.stop], dtype=torch.int64,
-                                                                 device=device), group=group)
-            spans = self._gather_spans[name] = [(int(start), int(stop)) for start, stop in exchanged]
-        return spans
 
     def _gather_buffers(self, part: torch.Tensor, slot: Slot,
                         spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -216,6 +203,28 @@ class MegatronLayout:
 
     def _dtype(self, param: torch.Tensor) -> str:
         return str(self._wire(param)).removeprefix("torch.")
+
+
+def _attempt(step: Callable[[], _T]) -> tuple[_T | None, Exception | None]:
+    """`step()`'s result, or its error: told to every holder of the gather first (`_agree`), then raised."""
+    try:
+        return step(), None
+    except Exception as error:  # noqa: BLE001 - raised by `_agree`, on every holder alike
+        return None, error
+
+
+def _agree(name: str, failure: Exception | None, mine: list[int], group: torch.distributed.ProcessGroup,
+           device: torch.device) -> list[list[int]]:
+    """Every holder's `mine` (ints), in group order, once all said whether their step failed; raises
+    `GatherFailedError` on every holder alike if one did (`raise_if_a_part_failed`)."""
+    size = torch.distributed.get_world_size(group)
+    rows = [torch.zeros(len(mine) + 1, dtype=torch.int64, device=device) for _ in range(size)]
+    torch.distributed.all_gather(rows, torch.tensor([*mine, failure is None], dtype=torch.int64, device=device),
+                                 group=group)
+    rows_as_ints = [row.tolist() for row in rows]
+    raise_if_a_part_failed(name, failure, [torch.distributed.get_global_rank(group, i)
+                                           for i, row in enumerate(rows_as_ints) if not row[-1]])
+    return [row[:-1] for row in rows_as_ints]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
