@@ -18,7 +18,7 @@ from refit.plan.checkpoint_format import CheckpointView
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
-from refit.sharding.layout import ABSENT, raise_if_a_part_failed
+from refit.sharding.layout import ABSENT, attempt_part, raise_if_a_part_failed
 from refit.sharding.routes import RowRange
 
 __all__ = ["DTensorLayout"]
@@ -93,10 +93,7 @@ class DTensorLayout:
         if not _is_dtensor(param):
             full = param.detach().to(dtype)
         else:
-            try:
-                wire, failure = self._wire_shard(param, dtype), None
-            except Exception as error:  # noqa: BLE001 - told to every rank first, then raised
-                wire, failure = None, error
+            wire, failure = attempt_part(lambda: self._wire_shard(param, dtype))
             failed = _a_failed_rank(param.device_mesh, failure is not None, param.device)
             raise_if_a_part_failed(name, failure, [] if failed is None else [failed])
             full = wire.full_tensor()

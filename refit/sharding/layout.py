@@ -10,7 +10,8 @@ the two layouts; `RankSource` streams either the same way.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -19,10 +20,21 @@ from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.sharding.routes import RowRange
 
-__all__ = ["ABSENT", "RankLayout", "raise_if_a_part_failed"]
+__all__ = ["ABSENT", "RankLayout", "attempt_part", "raise_if_a_part_failed"]
+
+_T = TypeVar("_T")
 
 ABSENT = object()
 """`RankLayout.held`'s answer for a tensor of which this rank holds nothing (or nothing it should send)."""
+
+
+def attempt_part(step: Callable[[], _T]) -> tuple[_T | None, Exception | None]:
+    """`step()`'s result, or its error: a holder's step of a gather (reading its part, making room), whose failure is
+    told to every holder first, then raised on each (`raise_if_a_part_failed`)."""
+    try:
+        return step(), None
+    except Exception as error:  # noqa: BLE001 - raised after the holders agreed, on every holder alike
+        return None, error
 
 
 def raise_if_a_part_failed(name: str, failure: BaseException | None, failed_ranks: list[int]) -> None:

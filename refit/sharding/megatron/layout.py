@@ -13,9 +13,6 @@ megatron-core is imported here only, and only when a layout is made.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
-
 import torch
 
 from refit.errors import ConfigError, InvalidTensorError
@@ -23,13 +20,11 @@ from refit.plan.checkpoint_format import HeldTensors, state_tensors
 from refit.plan.tensors import TensorMeta
 from refit.plan.transfer_plan import TransferPlan
 from refit.quantizer.fp8_block import is_finite
-from refit.sharding.layout import ABSENT, raise_if_a_part_failed
+from refit.sharding.layout import ABSENT, attempt_part, raise_if_a_part_failed
 from refit.sharding.megatron.mapping import CheckpointNames, MegatronDims, RankPlace, Slot, slots_of
 from refit.sharding.routes import RowRange
 
 __all__ = ["MegatronLayout", "megatron_dims", "megatron_slots", "unwrap"]
-
-_T = TypeVar("_T")
 
 # What the checkpoint's model calls each kind of module (the FP8 scheme's targets match these class names).
 _MODULE_CLASSES = {"linear": ("Linear", "Module"), "norm": ("RMSNorm", "Module"), "embedding": ("Embedding", "Module"),
@@ -130,10 +125,10 @@ class MegatronLayout:
         if slot.group is None:
             return self._part(param, slot).contiguous()  # held whole here (a tensor the routes gather from one rank)
         group = self._groups[slot.group]
-        part, failure = _attempt(lambda: self._part(param, slot).contiguous())
+        part, failure = attempt_part(lambda: self._part(param, slot).contiguous())
         exchanged = _agree(name, failure, [slot.start, slot.stop], group, param.device)
         spans = [(start, stop) for start, stop in exchanged]
-        buffers, failure = _attempt(lambda: self._gather_buffers(part, slot, spans))
+        buffers, failure = attempt_part(lambda: self._gather_buffers(part, slot, spans))
         _agree(name, failure, [], group, param.device)
         padded, parts, whole = buffers
         padded.narrow(slot.dim, 0, part.shape[slot.dim]).copy_(part)
@@ -203,14 +198,6 @@ class MegatronLayout:
 
     def _dtype(self, param: torch.Tensor) -> str:
         return str(self._wire(param)).removeprefix("torch.")
-
-
-def _attempt(step: Callable[[], _T]) -> tuple[_T | None, Exception | None]:
-    """`step()`'s result, or its error: told to every holder of the gather first (`_agree`), then raised."""
-    try:
-        return step(), None
-    except Exception as error:  # noqa: BLE001 - raised by `_agree`, on every holder alike
-        return None, error
 
 
 def _agree(name: str, failure: Exception | None, mine: list[int], group: torch.distributed.ProcessGroup,
