@@ -3,7 +3,7 @@
 They run only where CUDA is (scripts/gpu_check.sh runs them with the
 benchmark) and are skipped elsewhere, saying why. Each compares against the
 `ray` transport on the same replica: the same tokens and logprobs.
-On CPUs the `collective` transport runs on gloo (test_collective_transport.py).
+On CPUs the `collective` transport runs on gloo (test_transports.py).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_bf16_rollout_serves_the_trainers_model(actors_factory, tied, load_forma
 
 
 # FP8_BLOCK replicas on two nodes against a fresh engine on the same weights, over
-# both transports: tests/sync/test_collective_transport.py. Tensor parallelism 2, each worker a process of its
+# both transports: tests/sync/test_transports.py. Tensor parallelism 2, each worker a process of its
 # own, over both transports: tests/provenance/test_kv_scales_e2e.py.
 
 

@@ -1,16 +1,26 @@
-"""Both transports on real Ray and vLLM: the model a fresh engine serves, into any engine layout.
+"""The `collective` and `shm` transports on real Ray and vLLM: the model a fresh engine serves, into any engine layout.
 
 Replica 0 runs vLLM's engine core in its own actor's process (as the `ray`
 transport needs); replica 1 runs it in a process of its own
 (VLLM_ENABLE_V1_MULTIPROCESSING=1), so only a transport that bypasses vLLM's
 RPC for the bytes can reach it. Both are FP8_BLOCK, dummy-loaded, with an
 FP8 KV cache, on two nodes, synced from a tied-embedding trainer on a third.
-(Two tensor-parallel workers in their own processes, over both transports:
-test_kv_scales_e2e.py, in bf16, since the fixture's 128-row k/v cannot
-split into 128-row FP8 blocks over two ranks.)
+The two transports share the module's replicas: an engine whose core has a
+process of its own is three processes on a CPU, each importing vLLM.
+
+Two Ray nodes of this machine are one host (one kernel boot, PID namespace
+and user), so `transport="auto"` maps the trainer's memory files into the
+workers of both replicas (`shm`); a file rewritten before a worker read it
+is refused by name, and every replica serves on, the one whose worker is in
+another process too. (Two tensor-parallel workers in their own processes,
+over both transports: test_kv_scales_e2e.py, in bf16, since the fixture's
+128-row k/v cannot split into 128-row FP8 blocks over two ranks.)
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import ray
@@ -20,13 +30,16 @@ from fixtures import NEW_TOKENS, PROMPT_LEN, make_prompts, make_sequences, model
 from refit import Phase
 from refit.orchestration.calls import first_claim
 from refit.transport.collective import Rendezvous, RendezvousHost
-from tests.support.actors import node_id, run_in, save, started
-from tests.support.checkpoints import write_fp8_block_checkpoint
-from tests.support.faults import kill_during_syncs
+from tests.support import serving
+from tests.support.actors import buckets_loaded, engine_state, node_id, redraw, run_in, save, started
+from tests.support.checkpoints import write_fp8_block_checkpoint, write_variant
+from tests.support.faults import kill_during_syncs, slow_loading
+from tests.support.shm_faults import rewrite_before_reading
 
 PROMPTS = make_prompts(16, PROMPT_LEN, seed=13)
 # Small buckets: ~10 per sync, so layers straddle buckets and the workers' two buffers are reused.
 COLLECTIVE = refit.SyncConfig(transport="collective", bucket_bytes=128 << 10, timeout_s=60)
+SHM_SMALL = {"bucket_bytes": 256 << 10, "timeout_s": 60}  # ~10 buckets a sync: the ring of 6 files wraps
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +224,107 @@ def test_a_sync_refused_at_its_first_claim_leaves_the_group_another_syncer_forme
     assert [ray.get(m.transport_group.remote()) for m in members] == [group] * 3
     for syncer in (earlier, later):
         syncer.close()
+
+
+def test_auto_maps_shared_memory_on_one_host_bit_for_bit_into_every_engine_layout(setup):
+    trainer, in_process, own_process = setup
+    with refit.Syncer(trainer, [in_process, own_process], refit.SyncConfig(**SHM_SMALL)) as syncer:
+        report = syncer.sync()
+    assert (report.transport, syncer.transport) == ("shm", "shm")
+    assert report.transport_reason == "every member runs on one host and can take it (the replicas' workers are on cpu)"
+    assert report.buckets >= 8 and [r.mode for r in report.replicas] == ["full", "full"]  # no deltas over shm
+    assert [r.served_version for r in report.replicas] == [report.version] * 2
+    serving.assert_serves([in_process, own_process], trainer, report.version)
+    over_shm = run_in(in_process, engine_state)
+
+    # The same trainer state over the object store: every FP8 code and scale the same.
+    refit.sync(trainer, in_process, refit.SyncConfig(transport="ray", delta="off", **SHM_SMALL))
+    assert run_in(in_process, engine_state) == over_shm
+
+    # A second sync reuses the trainer's files (the workers keep their mappings) and still serves the trainer's model.
+    ray.get(trainer.train_step.remote([[(7 * i + s) % 512 for i in range(16)] for s in range(4)]), timeout=120)
+    with refit.Syncer(trainer, [in_process, own_process], refit.SyncConfig(**SHM_SMALL)) as syncer:
+        again = syncer.sync()
+    assert again.transport == "shm" and [r.served_version for r in again.replicas] == [again.version] * 2
+    serving.assert_serves([in_process, own_process], trainer, again.version)
+
+
+def test_a_file_rewritten_before_a_worker_read_it_is_refused_by_name_and_the_next_sync_heals(setup):
+    trainer, in_process, own_process = setup
+    replicas = [in_process, own_process]
+    with refit.Syncer(trainer, replicas, refit.SyncConfig(transport="shm", **SHM_SMALL)) as syncer:
+        first = syncer.sync()
+        before = serving.tokens(in_process, serving.PROMPTS[:8])
+        run_in(trainer, rewrite_before_reading)
+        with pytest.raises(refit.RefitError, match=r"shared memory was rewritten \(it holds the trainer's bucket #\d+"):
+            syncer.sync()
+        # Refused before a byte was loaded, so both replicas serve on: the one whose worker runs in another process
+        # too, whose error crossed vLLM's RPC as data with its type (`refit_typed_call`).
+        for replica in replicas:
+            kept = serving.status(replica)
+            assert (kept.phase, kept.served_version) == (Phase.SERVING, first.version)
+        assert serving.tokens(in_process, serving.PROMPTS[:8]) == before
+        serving.assert_serves([own_process], trainer, first.version)
+        healed = syncer.sync()  # the next, honest stream
+    assert [r.served_version for r in healed.replicas] == [healed.version] * 2
+    serving.assert_serves(replicas, trainer, healed.version)
+
+
+def test_a_padded_vocabulary_held_until_finalize_is_copied_out_of_buffers_the_transport_reuses(actors_factory, tmp_path):
+    """vLLM pads a vocabulary of 509 to 512 rows, so the reload keeps the embedding's tensor until `finalize`, long
+    after its bucket's file (or collective buffer) took later buckets: it must have been copied out."""
+    bf16, fp8 = write_variant(model_dir(False, "bf16"), tmp_path, seed=3, vocab_size=509)
+    trainer = actors_factory.trainer(bf16, node=0)
+    replica = actors_factory.rollout(fp8, node=1, load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    run_in(trainer, redraw, 3)
+    refit.sync(trainer, replica, refit.SyncConfig(transport="ray", delta="off", **SHM_SMALL))
+    expected = run_in(replica, engine_state)
+    for transport in ("shm", "collective"):
+        run_in(trainer, redraw, 5)  # another model, so that a stale embedding could not pass for the right one
+        refit.sync(trainer, replica, refit.SyncConfig(transport="ray", delta="off", **SHM_SMALL))
+        changed = run_in(replica, engine_state)
+        assert changed["model.embed_tokens.weight"] != expected["model.embed_tokens.weight"]
+        run_in(trainer, redraw, 3)
+        report = refit.sync(trainer, replica, refit.SyncConfig(transport=transport, delta="off", **SHM_SMALL))
+        assert report.transport == transport and report.buckets > 6  # more buckets than the ring of files
+        assert run_in(replica, engine_state) == expected, transport
+
+
+def test_two_syncers_streaming_from_one_trainer_at_once_each_serve_their_sync(actors_factory, shared_replicas):
+    """Found by two Syncers of one trainer, one replica each, syncing at once: the trainer streams one sync after the
+    other, and the second stream began as soon as the first had handed out its last bucket, while the first sync's
+    slower replica still loaded its last buckets; the second stream's buckets went round the ring into their files,
+    so that replica refused bucket 18 ("shared memory was rewritten (it holds the trainer's bucket #73, not #57)")
+    and was left refusing. A stream over shm now ends only once its sync has loaded every bucket."""
+    trainer = actors_factory.trainer(model_dir(True, "bf16"), node=0, reinitialize=True, seed=29)
+    slow, fast = shared_replicas
+    config = refit.SyncConfig(bucket_bytes=16 << 10, max_buckets_in_flight=1, timeout_s=60)  # ~20 buckets, 4 files
+    syncers = [refit.Syncer(trainer, [replica], config) for replica in (slow, fast)]
+    for syncer in syncers:
+        syncer.sync()
+    run_in(trainer, redraw, 30)
+    outcomes: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = syncers[i].sync()
+        except refit.RefitError as error:
+            outcomes[i] = error
+
+    run_in(slow, slow_loading, 0.5)
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        threads[0].start()
+        while run_in(slow, buckets_loaded) < 1 and threads[0].is_alive():  # the slow replica's sync streams first
+            time.sleep(0.02)
+        threads[1].start()
+        for thread in threads:
+            thread.join(300)
+    finally:
+        run_in(slow, slow_loading, None)
+    assert all(isinstance(o, refit.SyncReport) for o in outcomes), outcomes
+    assert [o.transport for o in outcomes] == ["shm", "shm"]
+    serving.assert_serves([slow, fast], trainer)
 
 
 def kill_mid_broadcast(sync_trainer, replicas, victim, match: str) -> None:
