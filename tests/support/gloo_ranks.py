@@ -2,7 +2,7 @@
 
 A rank function runs in a spawned process as `target(rank, store_path, outcomes, *args)`, joins the world with
 `gloo_rank` (or `megatron_fixture_rank`), and says what each of its streams did with `report_stream`;
-`run_two_ranks` starts both and returns what they said. Each report carries its seconds, so a test can tell a
+`run_two_ranks` runs it on both and returns what they said. Each report carries its seconds, so a test can tell a
 refusal at once from a wait until the group's timeout.
 """
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing
+import queue
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,19 +25,93 @@ __all__ = ["gloo_rank", "megatron_fixture_rank", "report_stream", "run_two_ranks
 
 def run_two_ranks(target: Callable[..., None], tmp_path: Path, *args: Any, reports: int,
                   timeout_s: float = 240) -> list[tuple]:
-    """`target(rank, store_path, outcomes, *args)` in two spawned processes; the `reports` tuples they put, sorted."""
-    context = multiprocessing.get_context("spawn")
-    outcomes = context.Queue()
-    ranks = [context.Process(target=target, args=(rank, str(tmp_path / "store"), outcomes, *args)) for rank in range(2)]
-    for process in ranks:
-        process.start()
+    """`target(rank, store_path, outcomes, *args)` on the two rank processes; the `reports` tuples they put, sorted.
+
+    The processes are this pytest process's pair, kept between tests: each spawned one imports torch (and
+    megatron-core, ~5 CPU-s) before it can run a rank. A test's ranks leave no state behind (`gloo_rank` destroys
+    its group, `megatron_fixture_rank` Megatron's parallel state); a pair whose rank raised, exited or did not end
+    within the deadline is killed, and the next test gets a new one.
+    """
+    global _pair
+    if _pair is None or not _pair.alive():
+        _pair = _RankPair()
+    pair, clean = _pair, False
     try:
-        return sorted(outcomes.get(timeout=timeout_s) for _ in range(reports))
+        seen = pair.run(target, str(tmp_path / "store"), args, reports, timeout_s)
+        clean = True
+        return seen
     finally:
-        for process in ranks:
+        if not (clean and pair.finished(timeout_s=60)):
+            pair.kill()
+            _pair = None
+
+
+class _RankPair:
+    """Two spawned processes, rank 0 and rank 1, each running one test's rank function at a time (`_serve_rank`)."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.outcomes, self.done = context.Queue(), context.Queue()
+        self.inboxes = [context.Queue() for _ in range(2)]
+        self.jobs = 0
+        self.processes = [context.Process(target=_serve_rank, args=(rank, inbox, self.outcomes, self.done), daemon=True)
+                          for rank, inbox in enumerate(self.inboxes)]
+        for process in self.processes:
+            process.start()
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
+
+    def run(self, target: Callable[..., None], store_path: str, args: tuple, reports: int, timeout_s: float) -> list[tuple]:
+        """The job's reports; any a rank put for an earlier job (more than that test waited for) are dropped."""
+        self.jobs += 1
+        for inbox in self.inboxes:
+            inbox.put((self.jobs, target, store_path, args))
+        deadline, seen = time.monotonic() + timeout_s, []
+        while len(seen) < reports:
+            job, report = self.outcomes.get(timeout=max(deadline - time.monotonic(), 0.01))
+            if job == self.jobs:
+                seen.append(report)
+        return sorted(seen)
+
+    def finished(self, timeout_s: float) -> bool:
+        """Whether both ranks returned from this job's function, rather than raised."""
+        try:
+            returned = [self.done.get(timeout=timeout_s) for _ in self.processes]
+        except queue.Empty:
+            return False
+        return all(returned)
+
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
             process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
+
+
+_pair: _RankPair | None = None
+
+
+class _JobReports:
+    """What a rank function puts its reports on: the pair's queue, each report tagged with its job."""
+
+    def __init__(self, outcomes: Any, job: int) -> None:
+        self.outcomes, self.job = outcomes, job
+
+    def put(self, report: tuple) -> None:
+        self.outcomes.put((self.job, report))
+
+
+def _serve_rank(rank: int, inbox: Any, outcomes: Any, done: Any) -> None:
+    """A rank process's loop: run each function sent to it; say whether it returned."""
+    while True:
+        job, target, store_path, args = inbox.get()
+        try:
+            target(rank, store_path, _JobReports(outcomes, job), *args)
+        except BaseException:  # noqa: BLE001 - shown in the test's output; the pair is then replaced
+            traceback.print_exc()
+            done.put(False)
+        else:
+            done.put(True)
 
 
 @contextlib.contextmanager
