@@ -53,11 +53,22 @@ def save(trainer, directory: str) -> None:
 
 
 def hold_update_lock(rollout, seconds: float) -> None:
-    """Occupy a rollout's update lock for `seconds` (from a timer thread), so its update calls hang."""
-    import threading
+    """Occupy a rollout's update lock for `seconds` (from a timer thread), or until `release_update_lock`, so its
+    update calls hang."""
+    lock, once = rollout.replica._lock, threading.Lock()
 
-    rollout.replica._lock.acquire()
-    threading.Timer(seconds, rollout.replica._lock.release).start()
+    def release() -> None:
+        if once.acquire(blocking=False):
+            lock.release()
+
+    lock.acquire()
+    threading.Timer(seconds, release).start()
+    rollout.__dict__["_release_held_update_lock"] = release
+
+
+def release_update_lock(rollout) -> None:
+    """End `hold_update_lock`'s hold now, once the test has seen what the hold was for."""
+    rollout.__dict__.pop("_release_held_update_lock")()
 
 
 def node_id(_actor) -> str:

@@ -468,7 +468,7 @@ def test_a_hung_trainer_fails_the_sync_by_name_within_the_deadline(replicas, tra
 
 def test_a_hung_replica_below_min_replicas_fails_the_sync_by_name_and_recovers_by_itself(replicas, trainers):
     """With `min_replicas` = the fleet; by default a hung replica is dropped (tests/sync/test_fleet.py)."""
-    from tests.support.actors import hold_update_lock
+    from tests.support.actors import hold_update_lock, release_update_lock
 
     served = refit.Syncer(trainers[1], replicas, FAST).sync().version
     run_in(replicas[0], hold_update_lock, 12.0)
@@ -479,6 +479,7 @@ def test_a_hung_replica_below_min_replicas_fails_the_sync_by_name_and_recovers_b
     notes = "\n".join(error.value.__notes__)
     assert "fewer than SyncConfig.min_replicas=2" in notes and "rollout 1: serving" in notes
     assert status(replicas[1]).phase is Phase.SERVING and status(replicas[1]).served_version == served
+    run_in(replicas[0], release_update_lock)
     # Once it answers again, the late begin opens an update nobody drives: its lease closes it.
     deadline = time.monotonic() + 60
     while not (status(replicas[0]).phase is Phase.SERVING and status(replicas[0]).served_version == served):

@@ -26,7 +26,7 @@ import ray
 import refit
 from fixtures import model_dir
 from refit import Phase
-from tests.support.actors import all_started, hold_update_lock, process_id, redraw, run_in
+from tests.support.actors import all_started, hold_update_lock, process_id, redraw, release_update_lock, run_in
 from tests.support.faults import kill_mid_stream
 from tests.support.serving import assert_serves, status
 
@@ -135,6 +135,7 @@ def test_a_hung_replica_is_dropped_at_the_deadline_and_the_other_serves(shared_r
     assert "begin_update did not answer within 10 s" in report.dropped[0].error
     assert [r.replica for r in report.replicas] == [1] and syncer.replica_names == ["rollout 1"]
     assert_serves(shared_replicas[1:], trainer, report.version)
+    run_in(shared_replicas[0], release_update_lock)
     # Once it answers, the abort sent after its late begin (and not waited for) closes the update that begin opened.
     # An update call queues behind both, so its answer says they ran.
     state = ray.get(shared_replicas[0].abort_update.remote("no-such-sync", "a barrier"), timeout=120)
