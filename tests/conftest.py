@@ -40,7 +40,8 @@ CPU default (1 GiB) would hold 1 GB of memory per engine, and two test sessions 
 
 CLUSTER_FIXTURES = {"ray_cluster", "actor_pool", "actors_factory", "module_actors", "shared_replicas", "moe_checkpoint_replica"}
 
-LONGEST_MODULES = ("tests/test_examples.py", "tests/sync/test_sharded_trainer.py", "tests/sync/test_faults.py")
+LONGEST_MODULES = ("tests/test_examples.py", "tests/sync/test_faults.py", "tests/sync/test_server_rollout.py",
+                   "tests/sync/test_sharded_trainer.py")
 """The modules that take longest (several worker-minutes each on a 2-core CPU), started before every other module.
 
 A module never spans two workers, so the one the scheduler hands out last
