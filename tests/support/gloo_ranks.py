@@ -27,10 +27,11 @@ def run_two_ranks(target: Callable[..., None], tmp_path: Path, *args: Any, repor
                   timeout_s: float = 240) -> list[tuple]:
     """`target(rank, store_path, outcomes, *args)` on the two rank processes; the `reports` tuples they put, sorted.
 
-    The processes are this pytest process's pair, kept between tests: each spawned one imports torch (and
-    megatron-core, ~5 CPU-s) before it can run a rank. A test's ranks leave no state behind (`gloo_rank` destroys
-    its group, `megatron_fixture_rank` Megatron's parallel state); a pair whose rank raised, exited or did not end
-    within the deadline is killed, and the next test gets a new one.
+    The processes are this pytest process's pair, kept between tests: a spawned one spends most of a test's time
+    importing torch and megatron-core before it can run a rank (docs/performance.md, "The test suite"). A test's
+    ranks leave no state behind (`gloo_rank` destroys its group, `megatron_fixture_rank` Megatron's parallel
+    state); a pair whose rank raised, exited or did not end within the deadline is killed, and the next test gets
+    a new one.
     """
     global _pair
     if _pair is None or not _pair.alive():
