@@ -441,6 +441,7 @@ def test_a_new_replica_syncs_a_server_whose_last_replica_died_with_its_update_op
 
     dead = ServerAdapter(restarted.url, restarted.api_key)
     dead.hold_requests(0.5)  # a hold that lapses 1.5 s after its last call: no call comes, as from a dead actor
+    dead.timeout_s = 120.0  # its call may take longer than its lease on a loaded machine: the hold may lapse meanwhile
     WorkerCalls(dead.call_workers).start_update(TransferPlan((), QuantizeOn.TRAINER, b"k"), Transport.RAY)
     time.sleep(2.0)
     trainer = module_actors.trainer(model_dir(True, "bf16"), node=0)
