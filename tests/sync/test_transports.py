@@ -76,14 +76,14 @@ def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in
     assert len(set(node_of.values())) == 3 and run_in(trainer, node_id) == node_of[0]
     assert report.replicas[0].node_id == node_of[1]
     assert report.bytes_on_wire < 0.7 * sum(t.source_bytes for t in refit.Syncer(trainer, in_process).plan().tensors)
-    assert_serves(in_process, expected)
+    assert_serves_as_fresh(in_process, expected)
 
     with refit.Syncer(trainer, [in_process, own_process], COLLECTIVE) as syncer:
         report = syncer.sync()
         assert report.buckets >= 8 and [r.served_version for r in report.replicas] == [report.version] * 2
         assert report.replicas[1].node_id == node_of[2]
         for replica in (in_process, own_process):
-            assert_serves(replica, expected)
+            assert_serves_as_fresh(replica, expected)
         group = ray.get(in_process.transport_group.remote())
         assert group is not None and ray.get(own_process.transport_group.remote()) == group
         assert syncer.sync().version == report.version + 1
@@ -94,11 +94,11 @@ def test_both_transports_serve_what_a_fresh_engine_on_the_same_weights_serves_in
         report = refit.sync(trainer, replicas, refit.SyncConfig(transport=transport, quantize_on="rollout", timeout_s=60))
         assert report.bytes_on_wire == sum(t.source_bytes for t in refit.Syncer(trainer, in_process).plan().tensors)
         for replica in replicas:
-            assert_serves(replica, expected)
+            assert_serves_as_fresh(replica, expected)
     assert ray.get(own_process.transport_group.remote()) is None  # sync() closed its Syncer's group
 
 
-def assert_serves(replica, expected) -> None:
+def assert_serves_as_fresh(replica, expected) -> None:
     got = served(replica)
     assert got.token_ids == expected.token_ids
     assert max_abs_diff(got.logprobs, expected.logprobs) < 1e-5
