@@ -14,7 +14,8 @@ original storage. Two kinds of module must not take part:
   storage again. Kept out, the alias keeps the shared Parameter, which the
   embedding's layer copies its new values into, so it holds them without a
   load of its own. What its quant method derived from the weight (vLLM's
-  CPU GEMM packs a copy of it) is made again as soon as the embedding's
+  CPU GEMM packs a copy of it) is made again, or taken from the embedding,
+  which made the same (`_process_alias`), as soon as the embedding's
   layer holds the shared Parameter again (`process_ready_aliases`, after
   each bucket: while the trainer still makes the next ones), else once the
   reload is finalized (a layer the engine pads beyond the checkpoint's rows
@@ -177,7 +178,7 @@ class LayerwiseReload:
         """Process each tied alias whose source layer was processed: the source holds the shared Parameter again."""
         for alias, source in list(self._pending.items()):
             if all(getattr(source, name, None) is param for name, param in _own_parameters(alias)):
-                alias.quant_method.process_weights_after_loading(alias)
+                _process_alias(alias, source)
                 del self._pending[alias]
 
     def close(self) -> None:
@@ -192,9 +193,29 @@ class LayerwiseReload:
                 method.moe_kernel, method.moe_quant_config = kernel, quant_config
         self.is_open = False
         pending, self._pending = self._pending, {}
-        for alias in pending:
-            alias.quant_method.process_weights_after_loading(alias)
+        for alias, source in pending.items():
+            _process_alias(alias, source)
         _refresh_conv_views(self.model)
+
+
+def _process_alias(alias: torch.nn.Module, source: torch.nn.Module) -> None:
+    """What `alias`'s quant method derives from the weight it shares with `source`, which holds it again.
+
+    Why not always process the alias: on a CPU vLLM's unquantized embedding
+    method packs a copy of the weight into a GEMM kernel's layout
+    (`cpu_linear`), and it did so for the source as its layer was processed
+    (the embedding never multiplies with it, but a model that takes its logits
+    from the embedding does). Both derive from the same Parameter by the same
+    method, so the alias takes the source's kernel: the reload packs a
+    vocab x hidden table once instead of twice, and the rollout stops holding
+    a second packed copy. Elsewhere (no `cpu_linear`: a GPU, whose method
+    derives nothing) the alias is processed as before.
+    """
+    kernel = getattr(source, "cpu_linear", None)
+    if kernel is not None and type(getattr(source, "quant_method", None)) is type(alias.quant_method):
+        alias.cpu_linear = kernel
+    else:
+        alias.quant_method.process_weights_after_loading(alias)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:

@@ -89,6 +89,33 @@ def test_the_alias_is_processed_once_as_soon_as_its_source_holds_the_shared_para
     assert processed == [model.lm_head]  # not again
 
 
+def test_the_alias_takes_the_cpu_kernel_its_source_derived_from_the_shared_weight_instead_of_packing_its_own(monkeypatch):
+    """On a CPU vLLM's unquantized embedding method packs the weight into a GEMM kernel (`cpu_linear`) for the
+    embedding as its layer is processed; the tied head's would pack the same Parameter again."""
+    model = Model(tied=True)
+    embed, shared = model.model.embed_tokens, model.model.embed_tokens.weight
+    record_metadata_for_reloading(model)
+    processed = []
+    monkeypatch.setattr(model.lm_head.quant_method, "process_weights_after_loading", processed.append)
+    reload = LayerwiseReload(model, model_config=None)
+    reload.open()
+    del embed.weight
+    embed.register_parameter("weight", shared)
+    embed.cpu_linear = kernel = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)  # as vLLM's method sets it
+    reload.process_ready_aliases()
+    assert model.lm_head.cpu_linear is kernel and processed == []
+
+    other = Model(tied=True)  # a source processed by another method derives something else: the alias is processed
+    other.model.embed_tokens.quant_method = object()
+    other.model.embed_tokens.cpu_linear = kernel
+    record_metadata_for_reloading(other)
+    monkeypatch.setattr(other.lm_head.quant_method, "process_weights_after_loading", processed.append)
+    reload = LayerwiseReload(other, model_config=None)
+    reload.open()
+    reload.close()
+    assert processed == [other.lm_head] and not hasattr(other.lm_head, "cpu_linear")
+
+
 def test_a_weight_reported_under_a_modules_second_path_counts_under_its_first():
     """vLLM's `SharedFusedMoE` registers the router and shared experts inside the fused experts too, and dots1's
     `load_weights` reports them there (regression: loaded weights counted as unloaded and every sync was refused)."""

@@ -53,6 +53,10 @@ def test_dummy_fp8_rollout_matches_a_fresh_engine_on_llmcompressors_checkpoint(a
 
         weight_scales = [r for r in ray.get(replica.scale_records.remote()) if r.kind == "weight"]
         assert weight_scales and all(r.source is ScaleSource.REFIT and r.version == version for r in weight_scales)
+        if tied:  # the head computes its logits with the kernel the embedding's layer packed: one packed copy
+            assert run_in(replica, lambda actor: actor.engine.llm.collective_rpc(
+                lambda worker: worker.model_runner.model.lm_head.cpu_linear is worker.model_runner.model.model.embed_tokens.cpu_linear
+            )) == [True]
         if arch == "qwen3_moe":  # one record per expert and fused scale, in each of 2 layers
             experts = {(r.module, r.scale) for r in weight_scales if ".mlp.experts." in r.module}
             assert experts == {
