@@ -53,14 +53,26 @@ def test_outermost_drops_names_inside_another():
     assert outermost(["model.embed_tokens", "lm_head", "model.embed_tokens.weight_holder", "model"]) == ["lm_head", "model"]
 
 
-def test_the_alias_keeps_the_shared_parameter_through_the_reload_and_is_processed_again(monkeypatch):
-    model = Model(tied=True)
-    shared = model.model.embed_tokens.weight
+def opened_reload(model: Model, monkeypatch) -> tuple[LayerwiseReload, list]:
+    """`model`'s layerwise reload, opened, and the list its head's processing is recorded in (instead of run)."""
     record_metadata_for_reloading(model)
     processed = []
     monkeypatch.setattr(model.lm_head.quant_method, "process_weights_after_loading", processed.append)
     reload = LayerwiseReload(model, model_config=None)
     reload.open()
+    return reload, processed
+
+
+def give_back(module: torch.nn.Module, weight: torch.nn.Parameter) -> None:
+    """As vLLM does once a module's layer is processed: it holds its Parameter again."""
+    del module.weight
+    module.register_parameter("weight", weight)
+
+
+def test_the_alias_keeps_the_shared_parameter_through_the_reload_and_is_processed_again(monkeypatch):
+    model = Model(tied=True)
+    shared = model.model.embed_tokens.weight
+    reload, processed = opened_reload(model, monkeypatch)
     assert reload.kept_out == {"lm_head.weight"}
     assert model.model.embed_tokens.weight.is_meta  # in loadable form
     assert model.lm_head.weight is shared  # kept out: never on the meta device
@@ -73,15 +85,10 @@ def test_the_alias_keeps_the_shared_parameter_through_the_reload_and_is_processe
 def test_the_alias_is_processed_once_as_soon_as_its_source_holds_the_shared_parameter_again(monkeypatch):
     model = Model(tied=True)
     embed, shared = model.model.embed_tokens, model.model.embed_tokens.weight
-    record_metadata_for_reloading(model)
-    processed = []
-    monkeypatch.setattr(model.lm_head.quant_method, "process_weights_after_loading", processed.append)
-    reload = LayerwiseReload(model, model_config=None)
-    reload.open()
+    reload, processed = opened_reload(model, monkeypatch)
     reload.process_ready_aliases()
     assert processed == []  # the embedding is still in loadable form: the alias would derive from old values
-    del embed.weight
-    embed.register_parameter("weight", shared)  # as vLLM does once the embedding's layer is processed
+    give_back(embed, shared)
     reload.process_ready_aliases()
     reload.process_ready_aliases()
     assert processed == [model.lm_head]
@@ -94,13 +101,8 @@ def test_the_alias_takes_the_cpu_kernel_its_source_derived_from_the_shared_weigh
     embedding as its layer is processed; the tied head's would pack the same Parameter again."""
     model = Model(tied=True)
     embed, shared = model.model.embed_tokens, model.model.embed_tokens.weight
-    record_metadata_for_reloading(model)
-    processed = []
-    monkeypatch.setattr(model.lm_head.quant_method, "process_weights_after_loading", processed.append)
-    reload = LayerwiseReload(model, model_config=None)
-    reload.open()
-    del embed.weight
-    embed.register_parameter("weight", shared)
+    reload, processed = opened_reload(model, monkeypatch)
+    give_back(embed, shared)
     embed.cpu_linear = kernel = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)  # as vLLM's method sets it
     reload.process_ready_aliases()
     assert model.lm_head.cpu_linear is kernel and processed == []
@@ -108,10 +110,7 @@ def test_the_alias_takes_the_cpu_kernel_its_source_derived_from_the_shared_weigh
     other = Model(tied=True)  # a source processed by another method derives something else: the alias is processed
     other.model.embed_tokens.quant_method = object()
     other.model.embed_tokens.cpu_linear = kernel
-    record_metadata_for_reloading(other)
-    monkeypatch.setattr(other.lm_head.quant_method, "process_weights_after_loading", processed.append)
-    reload = LayerwiseReload(other, model_config=None)
-    reload.open()
+    reload, processed = opened_reload(other, monkeypatch)
     reload.close()
     assert processed == [other.lm_head] and not hasattr(other.lm_head, "cpu_linear")
 
