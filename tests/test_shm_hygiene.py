@@ -23,15 +23,28 @@ time.sleep(600)
 """
 
 
+# A spawn-context lock, as vLLM's engine cores and workers make: a named semaphore, which glibc maps under a temporary
+# name it then unlinks (tests/support/shm_hygiene.py); every run of the suite left one or more.
+SEMAPHORE_HOLDER = """
+import multiprocessing, os, time
+from multiprocessing import resource_tracker
+lock = multiprocessing.get_context("spawn").Lock()
+resource_tracker.unregister(lock._semlock.name, "semaphore")  # as in a process killed with its tracker
+print(os.getpid(), "sem." + lock._semlock.name.lstrip("/"), flush=True)
+time.sleep(600)
+"""
+
+
 def _holder(script: str = HOLDER) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     return process, process.stdout.readline().split()[1]
 
 
-def test_a_killed_descendants_segment_is_unlinked_and_a_live_ones_is_kept():
+@pytest.mark.parametrize("script", [HOLDER, SEMAPHORE_HOLDER], ids=["shared-memory", "semaphore"])
+def test_a_killed_descendants_segment_is_unlinked_and_a_live_ones_is_kept(script):
     watcher = SegmentWatcher(interval_s=3600)  # recorded below, by hand
-    killed, killed_name = _holder()
-    alive, alive_name = _holder()
+    killed, killed_name = _holder(script)
+    alive, alive_name = _holder(script)
     try:
         watcher.record()
         assert {killed_name, alive_name} <= watcher.recorded

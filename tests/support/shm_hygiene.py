@@ -3,20 +3,23 @@
 vLLM's engines talk to their workers through `multiprocessing.shared_memory`
 ring buffers (`/dev/shm/psm_*`, 160-240 MiB each, sparse), tensor-parallel
 CPU workers through `vllm_dist_*` files, and multiprocessing's semaphores
-live there too (`sem.*`); the process that made one unlinks it when it shuts
-down. Tests kill engines with SIGKILL (a crash is what they test), so
-nothing unlinks those, and every run of the suite left dozens in the
-machine's `/dev/shm`.
+live there too (`sem.*`); the process that made one unlinks it when it
+shuts down (a semaphore: its resource tracker, a process of its own).
+Tests kill engines with SIGKILL (a crash is what they test), so nothing
+unlinks those, and every run of the suite left dozens in the machine's
+`/dev/shm`.
 
 `SegmentWatcher` records the files in `/dev/shm` that processes of this
 session (the pytest process and its descendants: xdist workers, the Ray
 cluster's nodes and workers, `vllm serve` subprocesses, engine cores) have
-mapped: every few seconds, and as soon as a new file appears there, since an
-engine a test kills just after its start (a sync that fails at once, a start
-that must be refused) maps its segments for well under a regular interval. At
-the end of the session, each recorded segment that no process maps any more is
-unlinked. A segment only another session's processes ever mapped is never
-recorded, so never touched.
+mapped, by inode: glibc's `sem_open` maps a temporary file that it then
+links under the semaphore's name and unlinks, so the mapping names another
+file, "deleted". It looks every few seconds, and as soon as a new file
+appears there, since an engine a test kills just after its start (a sync
+that fails at once, a start that must be refused) maps its segments for
+well under a regular interval. At the end of the session, each recorded
+segment that no process maps any more is unlinked. A segment only another
+session's processes ever mapped is never recorded, so never touched.
 """
 
 from __future__ import annotations
@@ -32,13 +35,12 @@ __all__ = ["SegmentWatcher", "mapped_segments"]
 
 SHM = Path("/dev/shm")
 _PREFIX = b" /dev/shm/"  # the path column, after the padding that follows the inode
-_UNLINKED = b" (deleted)"
 
 
 def mapped_segments(pids: list[int]) -> set[str]:
-    """The names of the `/dev/shm` files mapped by the processes `pids` (those that still exist and may be read),
-    but for files already unlinked."""
-    names = set()
+    """The names of the files in `/dev/shm` that the processes `pids` (those that still exist and may be read) map,
+    under that name or another (the module docstring: a semaphore)."""
+    inodes = set()
     for pid in pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_bytes()
@@ -46,12 +48,21 @@ def mapped_segments(pids: list[int]) -> set[str]:
             continue
         start = maps.find(_PREFIX)
         while start != -1:
-            end = maps.find(b"\n", start)
-            path = maps[start + len(_PREFIX):end if end != -1 else len(maps)]
-            if not path.endswith(_UNLINKED):
-                names.add(path.decode(errors="surrogateescape"))
+            fields = maps[maps.rfind(b"\n", 0, start) + 1:start].split()  # address, perms, offset, device, inode
+            inodes.add(int(fields[4]))
             start = maps.find(_PREFIX, start + 1)
-    return names
+    return {name for name, inode in _inodes().items() if inode in inodes}
+
+
+def _inodes() -> dict[str, int]:
+    """Each file in `/dev/shm` (a mapped file's inode stays its own until the last mapping goes, unlinked or not)."""
+    inodes = {}
+    for name in _present():
+        try:
+            inodes[name] = (SHM / name).stat().st_ino
+        except OSError:  # unlinked meanwhile
+            continue
+    return inodes
 
 
 def _present() -> set[str]:
